@@ -1,0 +1,40 @@
+# One entry point for users and CI. `make demo` and `make test` work on a fresh Debian 12 machine
+# with Python 3.11: they create .venv and install everything they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# The CPU build of torch 2.13.0 (an unpinned torch would pull a multi-GB CUDA build). GPU users
+# install their own torch first; the project itself only requires torch>=2.6.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test test-fast lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	PYTHONWARNINGS=ignore $(BIN)/pretrain demo --workdir runs/demo
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: venv lint
+	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q tests
+
+test-fast: venv
+	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q tests -m "not slow"
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

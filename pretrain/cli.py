@@ -1,0 +1,84 @@
+"""``pretrain`` command line: train (the rank program), prepare-data, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pretrain.config import ConfigError, load_config
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set or [])
+    from pretrain.train import train
+
+    train(cfg)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from pretrain.data.prepare import (
+        build_indexed_dataset,
+        dataset_snapshot_id,
+        documents_from_files,
+        synthetic_documents,
+    )
+
+    if bool(args.input) == (args.synthetic_mb is not None):
+        print("pretrain prepare-data: give --input FILES or --synthetic-mb N (one of them)", file=sys.stderr)
+        return 2
+    missing = [f for f in args.input or [] if not Path(f).is_file()]
+    if missing:
+        print(f"pretrain prepare-data: {missing[0]}: no such file; fix: pass existing text files", file=sys.stderr)
+        return 2
+    docs = (
+        synthetic_documents(args.synthetic_mb, args.seed)
+        if args.synthetic_mb is not None
+        else documents_from_files(Path(f) for f in args.input)
+    )
+    counts = build_indexed_dataset(docs, args.output)
+    print(
+        f"wrote {args.output}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens, "
+        f"snapshot {dataset_snapshot_id(args.output)}"
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pretrain.demo import run_demo
+
+    return run_demo(args.config, args.workdir, args.set or [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pretrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="the rank program (run it under ft_launcher or torchrun)")
+    t.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    t.set_defaults(func=_train)
+
+    d = sub.add_parser("prepare-data", help="build a Megatron indexed dataset with the byte tokenizer")
+    d.add_argument("--input", nargs="+", help="text files; blank lines separate documents")
+    d.add_argument("--synthetic-mb", type=float, help="generate a deterministic synthetic corpus of N MB instead")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
+    d.set_defaults(func=_prepare)
+
+    m = sub.add_parser("demo", help="2-rank CPU run under ft_launcher with one injected failure")
+    m.add_argument("--config", default=None, help="config (default: the embedded tiny-cpu config)")
+    m.add_argument("--workdir", default="runs/demo", help="where data, checkpoints and logs go")
+    m.add_argument("--set", action="append", metavar="KEY=VALUE")
+    m.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,378 @@
+"""Typed training configuration: YAML -> dataclasses, with all validation in one place.
+
+Every error is a :class:`ConfigError` whose message is one line naming the source file, the
+dotted key and the fix. Validation that depends on the launch (world size, CUDA) runs in
+:func:`validate` before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str(err)`` is one line: file, key, problem, fix."""
+
+
+@dataclass
+class RunConfig:
+    id: str = "tiny-run"
+    dir: str = "runs"
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    seq_length: int = 128
+    vocab_size: int = 257
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    swiglu: bool = False
+    untie_embeddings: bool = False
+    init_method_std: float = 0.02
+    # auto: Transformer Engine layers when TE and CUDA are present, else Megatron's local spec.
+    spec: Literal["auto", "local", "te"] = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    # auto: Megatron's DistributedOptimizer on CUDA, a torch AdamW over DDP main_grad on CPU.
+    distributed_optimizer: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    prefix: str = "runs/data/corpus"
+    tokenizer: Literal["byte"] = "byte"
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    cache_dir: str | None = None
+    # Record every rank's consumed sample positions (data-audit/rank-N.jsonl) for exactness checks.
+    audit: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3.0e-4
+    min_lr: float = 3.0e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 10
+    decay_steps: int | None = None
+    decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    seed: int = 1234
+    log_interval: int = 10
+
+
+@dataclass
+class LocalTierConfig:
+    dir: str = "runs/ckpt-local"
+    interval: int = 10
+    keep: int = 3
+
+
+@dataclass
+class CheckpointConfig:
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    load: bool = True
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Deliberate faults for drills and tests; active on the launcher's first attempt only."""
+
+    kill_rank: int = -1
+    kill_at_step: int = -1
+
+
+@dataclass
+class FaultToleranceConfig:
+    # Send NVRx RankMonitorClient heartbeats when launched under ft_launcher.
+    enabled: bool = True
+    inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    source: str = field(default="<defaults>", metadata={"internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load ``path`` (YAML) and apply ``key.sub=value`` overrides; raise ConfigError on any issue."""
+    source = str(path) if path is not None else "<defaults>"
+    data: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"{source}: cannot read config ({exc.strerror}); fix: pass an existing YAML file"
+            ) from exc
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{source}:{where}: not valid YAML; fix: correct the syntax") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{source}: top level must be a mapping of sections; fix: start with 'run:', 'model:', ..."
+            )
+    for item in overrides:
+        _apply_override(data, item, source)
+    cfg = _build(Config, data, "", source)
+    cfg.source = source
+    return cfg
+
+
+def _apply_override(data: dict[str, Any], item: str, source: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE; fix: e.g. --set train.steps=200")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: --set {key}: '{part}' is not a section; fix: override a leaf key")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
+    where = prefix.rstrip(".") or "<top>"
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: {where}: expected a mapping, got {type(data).__name__}; fix: write it as 'key: value' lines"
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'; fix: remove it ({hint})")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}", source)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, key + ".", source)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key, source)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"{source}: {key}={value!r} is not allowed; fix: use one of {', '.join(map(str, choices))}"
+            )
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a mapping; fix: write 'key: value' entries")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a field type this loader does not know is a programming error
+        raise TypeError(f"unsupported config field type {tp!r} for {key}")
+    raise ConfigError(
+        f"{source}: {key}={value!r} has type {type(value).__name__}, expected {tp.__name__}; fix: give a {tp.__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate(cfg: Config, world_size: int, cuda: bool) -> None:
+    """Check every cross-field and launch-dependent rule; raise ConfigError naming the key."""
+    src = cfg.source
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+
+    def fail(key: str, problem: str, fix: str) -> None:
+        raise ConfigError(f"{src}: {key}: {problem}; fix: {fix}")
+
+    positives = {
+        "model.num_layers": m.num_layers,
+        "model.hidden_size": m.hidden_size,
+        "model.num_attention_heads": m.num_attention_heads,
+        "model.seq_length": m.seq_length,
+        "model.vocab_size": m.vocab_size,
+        "parallel.tp": p.tp,
+        "parallel.pp": p.pp,
+        "data.global_batch_size": d.global_batch_size,
+        "data.micro_batch_size": d.micro_batch_size,
+        "train.steps": t.steps,
+        "train.log_interval": t.log_interval,
+        "checkpoint.local.interval": cfg.checkpoint.local.interval,
+        "checkpoint.local.keep": cfg.checkpoint.local.keep,
+    }
+    for key, value in positives.items():
+        if value < 1:
+            fail(key, f"must be >= 1, got {value}", "set a positive value")
+    if not cfg.run.id or "/" in cfg.run.id or cfg.run.id.startswith("."):
+        fail("run.id", f"{cfg.run.id!r} is not a valid run id", "use letters, digits, '-', '_' and '.' only")
+    if m.hidden_size % m.num_attention_heads:
+        fail(
+            "model.num_attention_heads",
+            f"{m.num_attention_heads} does not divide model.hidden_size={m.hidden_size}",
+            "pick heads that divide the hidden size",
+        )
+    if m.num_attention_heads % p.tp:
+        fail(
+            "parallel.tp",
+            f"tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}",
+            "choose a tp that divides the number of heads",
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups or groups % p.tp:
+        fail(
+            "model.num_query_groups",
+            f"{groups} groups do not fit {m.num_attention_heads} heads at tp={p.tp}",
+            "use groups dividing the heads and divisible by tp",
+        )
+    if m.num_layers % p.pp:
+        fail(
+            "parallel.pp", f"pp={p.pp} does not divide model.num_layers={m.num_layers}", "choose pp dividing the layers"
+        )
+    if world_size % (p.tp * p.pp):
+        fail(
+            "parallel.tp",
+            f"world size {world_size} is not divisible by tp*pp={p.tp * p.pp}",
+            "launch a multiple of tp*pp ranks or change tp/pp",
+        )
+    if padded_vocab_size(cfg) % p.tp:
+        fail(
+            "model.make_vocab_size_divisible_by",
+            f"padded vocab {padded_vocab_size(cfg)} is not divisible by tp={p.tp}",
+            "use a multiple of 128 (divisible by every tp you will use)",
+        )
+    dp = world_size // (p.tp * p.pp)
+    if d.global_batch_size % (d.micro_batch_size * dp):
+        fail(
+            "data.global_batch_size",
+            f"{d.global_batch_size} is not divisible by micro_batch_size*dp={d.micro_batch_size}*{dp}",
+            "make the global batch a multiple of micro_batch_size*dp",
+        )
+    for key, value in (("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            fail(key, f"{value} is outside [0, 1)", "use a probability")
+    o = cfg.optimizer
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        fail("optimizer.min_lr", f"need 0 <= min_lr <= lr, got lr={o.lr} min_lr={o.min_lr}", "fix the learning rates")
+    if o.clip_grad < 0:
+        fail("optimizer.clip_grad", "must be >= 0", "use 0 to disable clipping")
+    s = cfg.schedule
+    if s.warmup_steps < 0:
+        fail("schedule.warmup_steps", "must be >= 0", "use 0 for no warmup")
+    decay = s.decay_steps if s.decay_steps is not None else t.steps
+    if decay <= s.warmup_steps and s.decay_style != "constant":
+        fail(
+            "schedule.decay_steps",
+            f"{decay} must exceed schedule.warmup_steps={s.warmup_steps}",
+            "raise decay_steps (or train.steps) above the warmup",
+        )
+    if not cuda:
+        if m.spec == "te":
+            fail("model.spec", "Transformer Engine layers need CUDA, none found", "use spec: auto or local on CPU")
+        if m.precision == "bf16":
+            fail("model.precision", "bf16 training needs CUDA here", "use precision: fp32 on CPU")
+        if p.sequence_parallel:
+            fail("parallel.sequence_parallel", "needs TE/Apex norms (CUDA)", "set it to false on CPU")
+        if p.distributed_optimizer == "on":
+            fail(
+                "parallel.distributed_optimizer",
+                "Megatron's DistributedOptimizer is CUDA-only",
+                "use auto or off on CPU",
+            )
+    if p.sequence_parallel and p.tp == 1:
+        fail("parallel.sequence_parallel", "needs tp > 1", "enable tensor parallelism or disable it")
+    inj = cfg.fault_tolerance.inject
+    if inj.kill_rank >= world_size:
+        fail(
+            "fault_tolerance.inject.kill_rank",
+            f"rank {inj.kill_rank} >= world size {world_size}",
+            "pick an existing rank or -1",
+        )
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    return world_size // (cfg.parallel.tp * cfg.parallel.pp)
+
+
+def padded_vocab_size(cfg: Config) -> int:
+    """Vocabulary padded to ``make_vocab_size_divisible_by``.
+
+    Unlike Megatron-LM we do not multiply the multiple by TP: the padded size must not depend on
+    the topology, or a checkpoint saved at TP=2 would not load at TP=1. :func:`validate` checks
+    that TP divides the result.
+    """
+    multiple = cfg.model.make_vocab_size_divisible_by
+    return -(-cfg.model.vocab_size // multiple) * multiple

@@ -1,0 +1,1 @@
+"""Data: byte-level tokenizer, Megatron indexed dataset preparation, GPTDataset, resumable sampler."""

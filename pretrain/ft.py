@@ -1,0 +1,56 @@
+"""NVRx fault-tolerance hooks for the rank program: heartbeats and deliberate fault injection."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from pretrain.config import Config
+
+log = logging.getLogger(__name__)
+
+try:
+    from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
+except ImportError:  # pragma: no cover - NVRx is a hard dependency; keep the name stable anyway
+    FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR = "FT_RANK_MONITOR_IPC_SOCKET"
+
+
+def launcher_restart_count() -> int:
+    """How many times the launcher restarted the worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class Heartbeat:
+    """Sends NVRx heartbeats when running under ``ft_launcher``; a no-op otherwise."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.client = None
+        if cfg.fault_tolerance.enabled and os.environ.get(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR):
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client = RankMonitorClient()
+            self.client.init_workload_monitoring()
+            log.info("ft_launcher rank monitor connected: heartbeats on")
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None
+
+    def beat(self) -> None:
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+
+
+def maybe_inject_fault(cfg: Config, rank: int, step: int, record) -> None:  # noqa: ANN001
+    """SIGKILL this rank at the configured step, on the launcher's first attempt only."""
+    inj = cfg.fault_tolerance.inject
+    if inj.kill_rank == rank and inj.kill_at_step == step and launcher_restart_count() == 0:
+        record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL")
+        log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,37 @@
+"""The ``ft_launcher`` command line that runs the rank program (one node)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+
+def ft_launcher_command(
+    config: Path | str,
+    nproc: int,
+    ft_config: Path | str,
+    max_restarts: int = 3,
+    overrides: list[str] | tuple[str, ...] = (),
+    rdzv_port: int | None = None,
+) -> list[str]:
+    """Single-node command; the multi-node entrypoints (Slurm, Kubernetes) add c10d rendezvous."""
+    launcher = shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
+    cmd = [
+        launcher,
+        "--standalone" if rdzv_port is None else f"--rdzv-endpoint=127.0.0.1:{rdzv_port}",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        "--workers-stop-timeout=5",
+        # NVRx 0.4.1 ignores enable_nic_monitor in the YAML: it must be a flag.
+        "--ft-enable-nic-monitor=false",
+        f"--ft-cfg-path={ft_config}",
+    ]
+    if rdzv_port is not None:
+        cmd.insert(2, "--rdzv-backend=c10d")
+    cmd += ["-m", "pretrain", "train", "--config", str(config)]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd

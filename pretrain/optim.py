@@ -1,0 +1,201 @@
+"""Optimizers, LR schedule and TP-correct gradient clipping.
+
+On CUDA: Megatron's DistributedOptimizer (``get_megatron_optimizer``), whose checkpoint sharding
+type is chosen per checkpoint kind. On CPU: torch AdamW over Megatron DDP's ``main_grad`` buffers,
+with its state mapped to the model's ShardedTensors so that it is fully reshardable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+from pretrain.config import Config
+
+
+class TrainOptimizer(Protocol):
+    param_groups: list[dict[str, Any]]
+
+    def zero_grad(self) -> None: ...
+
+    def step(self) -> float:
+        """Apply one update; return the global (pre-clip) gradient norm."""
+        ...
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str) -> dict: ...
+
+    def load_sharded_state_dict(self, state: dict) -> None: ...
+
+
+def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return param.dim() == 1 or name.endswith(".bias")
+
+
+class CpuAdamW:
+    """torch AdamW over DDP ``main_grad`` with TP/PP-aware global-norm clipping."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
+        o = cfg.optimizer
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if not _no_weight_decay(n, p)]
+        no_decay = [p for n, p in named if _no_weight_decay(n, p)]
+        self.params = decay + no_decay  # the optimizer's own order: the state-id mapping relies on it
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            weight_decay=o.weight_decay,
+        )
+        self.clip_grad = o.clip_grad
+        self._init_state()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    def _init_state(self) -> None:
+        """Materialise Adam state so that a checkpoint template exists before the first step."""
+        for p in self.params:
+            state = self.opt.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> float:
+        for p in self.params:
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        norm = global_grad_norm(self.params)
+        if self.clip_grad > 0 and math.isfinite(norm) and norm > self.clip_grad:
+            scale = self.clip_grad / (norm + 1.0e-6)
+            for p in self.params:
+                p.grad.mul_(scale)
+        self.opt.step()
+        return norm
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str) -> dict:
+        # The torch-optimizer layout is the same for every checkpoint kind: always reshardable.
+        state = self.opt.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values()}
+        if len(steps) != 1:
+            raise RuntimeError(f"optimizer steps differ per parameter: {sorted(steps)}")
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        state["state"]["common_step"] = steps.pop()
+        return state
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        common_step = state["state"].pop("common_step")
+        for param_state in state["state"].values():
+            param_state["step"] = torch.tensor(float(common_step))
+        state["param_groups"] = self.opt.state_dict()["param_groups"]
+        self.opt.load_state_dict(state)
+
+
+class MegatronDistributedOptimizer:
+    """Megatron's DistributedOptimizer (CUDA): sharded fp32 master weights and Adam state."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o = cfg.optimizer
+        ocfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=cfg.model.precision == "bf16",
+            params_dtype=torch.float32,
+            use_distributed_optimizer=True,
+        )
+        self.opt = get_megatron_optimizer(ocfg, [model])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> float:
+        _ok, grad_norm, _zeros = self.opt.step()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str) -> dict:
+        # Megatron refuses fully_reshardable for non-persistent local saves: local saves use the
+        # fast DP-reshardable layout, reshardable (durable) saves the fully reshardable one.
+        sharding = "fully_reshardable" if kind == "reshardable" else "dp_reshardable"
+        return self.opt.sharded_state_dict(
+            model_sharded_state_dict, is_loading=False, metadata={"distrib_optim_sharding_type": sharding}
+        )
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
+
+
+def uses_distributed_optimizer(cfg: Config) -> bool:
+    mode = cfg.parallel.distributed_optimizer
+    return mode == "on" or (mode == "auto" and torch.cuda.is_available())
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> TrainOptimizer:
+    return MegatronDistributedOptimizer(cfg, model) if uses_distributed_optimizer(cfg) else CpuAdamW(cfg, model)
+
+
+def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """L2 norm of all gradients, counting TP-duplicated and PP-shared parameters once."""
+    total = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.detach().double().pow(2).sum()
+    if parallel_state.get_model_parallel_group() is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return float(total.sqrt().item())
+
+
+class _SchedulerTarget:
+    """The minimal optimizer view OptimizerParamScheduler needs (its ``param_groups``)."""
+
+    def __init__(self, opt: TrainOptimizer) -> None:
+        self._opt = opt
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._opt.param_groups
+
+
+def build_scheduler(cfg: Config, opt: TrainOptimizer) -> OptimizerParamScheduler:
+    s, o = cfg.schedule, cfg.optimizer
+    decay_steps = s.decay_steps if s.decay_steps is not None else cfg.train.steps
+    return OptimizerParamScheduler(
+        _SchedulerTarget(opt),  # type: ignore[arg-type]
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=s.warmup_steps,
+        lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+        lr_decay_style=s.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+    )

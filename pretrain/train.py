@@ -1,0 +1,301 @@
+"""The rank program: Megatron Core GPT pretraining with verified checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain import cpu_shims
+from pretrain.config import Config, data_parallel_size, validate
+from pretrain.ft import Heartbeat, launcher_restart_count, maybe_inject_fault
+from pretrain.runlog import RunLog, append_jsonl
+
+log = logging.getLogger("pretrain")
+
+
+@dataclass
+class RunSummary:
+    attempt: str
+    first_step: int
+    last_step: int
+    restored_step: int | None
+    restore_seconds: float
+    steps_per_second: float
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def train(cfg: Config) -> RunSummary:
+    """Run (or resume) training to ``train.steps``. Must run under torchrun/ft_launcher (or 1 rank)."""
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    setup_logging(rank)
+    cuda = torch.cuda.is_available()
+    validate(cfg, world, cuda)  # before any process group exists
+    cpu_shims.install()
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a plain single-process run
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29555")
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+    try:
+        return _train_in_group(cfg, rank, world)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@dataclass
+class Session:
+    """Everything one incarnation of the rank program builds before its first step."""
+
+    cfg: Config
+    rank: int
+    world: int
+    attempt: str
+    ddp: Any
+    dataset: Any
+    state: Any  # pretrain.checkpoint.TrainingState
+    ckpt: Any  # pretrain.checkpoint.CheckpointManager
+    runlog: RunLog
+    heartbeat: Heartbeat
+
+
+def build_session(cfg: Config, rank: int, world: int) -> Session:
+    """Parallel state, data, model, optimizer, scheduler and checkpoint manager (no restore yet)."""
+    # Imports that pull in Megatron come after validation so that bad configs fail fast.
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from pretrain.checkpoint import CheckpointManager, TrainingState
+    from pretrain.data.dataset import GlobalBatchSampler, build_train_dataset
+    from pretrain.data.prepare import dataset_snapshot_id
+    from pretrain.model import build_model, resolve_spec_name, transformer_config
+    from pretrain.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
+    from pretrain.rank_state import seed_everything
+    from tiering.collective import TorchCollective
+
+    p = cfg.parallel
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+    coll = TorchCollective()
+    attempt = coll.broadcast(f"attempt-{launcher_restart_count():02d}-{uuid.uuid4().hex[:8]}")
+    runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
+    dp = data_parallel_size(cfg, world)
+    topology = {"tp": p.tp, "pp": p.pp, "dp": dp, "world_size": world}
+
+    seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    dataset = build_train_dataset(cfg)
+    tconfig = transformer_config(cfg)
+    model = build_model(cfg, tconfig)
+    ddp = DistributedDataParallel(
+        tconfig,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=uses_distributed_optimizer(cfg),
+        ),
+        model,
+    )
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = ddp.no_sync
+    optimizer = build_optimizer(cfg, ddp)
+    scheduler = build_scheduler(cfg, optimizer)
+    sampler = GlobalBatchSampler(
+        len(dataset),
+        cfg.data.global_batch_size,
+        cfg.data.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        dp,
+        cfg.train.seed,
+    )
+    state = TrainingState(cfg, model, optimizer, scheduler, sampler, topology, dataset_snapshot_id(cfg.data.prefix))
+    if rank == 0:
+        log.info(
+            "model: %s spec, %d params on rank 0, topology %s, %d samples/epoch",
+            resolve_spec_name(cfg),
+            sum(t.numel() for t in model.parameters()),
+            topology,
+            len(dataset),
+        )
+    runlog.event(
+        "start",
+        rank_count=world,
+        topology=topology,
+        launcher_restart_count=launcher_restart_count(),
+        host=os.uname().nodename,
+    )
+    return Session(
+        cfg, rank, world, attempt, ddp, dataset, state, CheckpointManager(cfg, coll, attempt), runlog, Heartbeat(cfg)
+    )
+
+
+def restore_latest(session: Session) -> Any:
+    """Collective: load the newest verified checkpoint into the session; None if there is none."""
+    session.ckpt.prepare()
+    restored = session.ckpt.restore(session.state) if session.cfg.checkpoint.load else None
+    if restored is not None:
+        log.info(
+            "restored step %d from tier %s in %.2fs (verify %.2fs, rng %s); resuming at step %d",
+            restored.step,
+            restored.tier,
+            restored.seconds,
+            restored.verify_seconds,
+            "restored" if restored.rng_restored else "re-seeded",
+            restored.step + 1,
+        )
+        session.runlog.event(
+            "restore",
+            tier=restored.tier,
+            step=restored.step,
+            seconds=restored.seconds,
+            verify_seconds=restored.verify_seconds,
+            rng_restored=restored.rng_restored,
+            rejected=[{"step": s, "reason": r} for s, r in restored.rejected],
+        )
+    else:
+        log.info("no verified checkpoint: starting from step 0")
+        session.runlog.event("fresh_start")
+    return restored
+
+
+def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tiering.errors import PublishError
+
+    session = build_session(cfg, rank, world)
+    restored = restore_latest(session)
+    state, ddp, runlog, heartbeat = session.state, session.ddp, session.runlog, session.heartbeat
+    optimizer, scheduler, sampler = state.optimizer, state.scheduler, state.sampler
+    audit = DataAudit(cfg, rank) if cfg.data.audit else None
+    forward_backward = get_forward_backward_func()
+    seq, mbs, gbs = cfg.model.seq_length, cfg.data.micro_batch_size, cfg.data.global_batch_size
+    first_step = state.step + 1
+    t_start = time.perf_counter()
+    t_window, window_steps = t_start, 0
+    for step in range(first_step, cfg.train.steps + 1):
+        maybe_inject_fault(cfg, rank, step, runlog.event)
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        microbatches = sampler.microbatches(session.dataset, state.consumed_samples)
+        if audit is not None:
+            audit.record(step, sampler, state.consumed_samples)
+        losses = forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=iter(microbatches),
+            model=[ddp],
+            num_microbatches=len(microbatches),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+        grad_norm = optimizer.step()
+        scheduler.step(increment=1)
+        state.step = step
+        state.consumed_samples += gbs
+        state.consumed_tokens += gbs * seq
+        loss = _global_mean_loss(losses)
+        lr = optimizer.param_groups[0]["lr"]
+        runlog.metrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, consumed_samples=state.consumed_samples)
+        heartbeat.beat()
+        window_steps += 1
+        if step % cfg.train.log_interval == 0 and rank == 0:
+            now = time.perf_counter()
+            tok_s = window_steps * gbs * seq / max(now - t_window, 1e-9)
+            log.info("step %d | loss %.6f | grad norm %.4f | lr %.3e | %.0f tokens/s", step, loss, grad_norm, lr, tok_s)
+            t_window, window_steps = now, 0
+        if step % cfg.checkpoint.local.interval == 0 or step == cfg.train.steps:
+            try:
+                saved = session.ckpt.save(state)
+                runlog.event("save", tier="local", step=step, seconds=saved.seconds, bytes=saved.bytes)
+                if rank == 0:
+                    log.info(
+                        "saved step %d: %.1f MB in %.2fs -> %s", step, saved.bytes / 1e6, saved.seconds, saved.path
+                    )
+            except PublishError as exc:
+                # The step is not published; older steps are intact. Training goes on and the next
+                # interval tries again.
+                log.error("checkpoint at step %d failed: %s", step, exc)
+                runlog.event("save_failed", tier="local", step=step, error=str(exc))
+            heartbeat.beat()
+    elapsed = time.perf_counter() - t_start
+    done = state.step - first_step + 1
+    runlog.event("finish", step=state.step, steps=done, seconds=elapsed)
+    heartbeat.close()
+    return RunSummary(
+        session.attempt,
+        first_step,
+        state.step,
+        restored.step if restored else None,
+        restored.seconds if restored else 0.0,
+        done / elapsed if elapsed > 0 and done > 0 else 0.0,
+    )
+
+
+class DataAudit:
+    """Optional per-rank record of the samples each step consumed (``data.audit: true``)."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        self.path = Path(cfg.run.dir) / cfg.run.id / "data-audit" / f"rank-{rank:05d}.jsonl"
+
+    def record(self, step: int, sampler: Any, consumed: int) -> None:
+        positions = list(sampler.global_positions(consumed))
+        append_jsonl(
+            self.path,
+            {
+                "step": step,
+                "dp_rank": sampler.dp_rank,
+                "dp_size": sampler.dp_size,
+                "positions": positions,
+                "indices": [sampler.dataset_index(p) for p in positions],
+            },
+        )
+
+
+def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    losses = output.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def _global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
+    """Mean micro-batch loss over the whole world (only last-stage ranks contribute)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for item in losses or []:
+        total[0] += float(item["lm loss"])
+        total[1] += 1
+    dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")

@@ -1,0 +1,102 @@
+"""Shared helpers for the real multi-process tests: launch jobs, read their records."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TINY = REPO / "configs" / "tiny-cpu.yaml"
+FT_CPU = REPO / "configs" / "ft-cpu.yaml"
+
+
+def job_env(tmp: Path) -> dict[str, str]:
+    """Each job gets its own TMPDIR: NVRx puts its unix sockets there."""
+    sock_dir = tmp / "sock"
+    sock_dir.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "TMPDIR": str(sock_dir), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
+    items = {
+        "run.dir": str(tmp / "runs"),
+        "run.id": "t",
+        "data.prefix": str(corpus),
+        "checkpoint.local.dir": str(tmp / "ckpt"),
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def torchrun(tmp: Path, nproc: int, overrides: list[str], config: Path = TINY, timeout: int = 300,
+             check: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "pretrain", "train", "--config", str(config)]
+    for item in overrides:
+        cmd += ["--set", item]
+    return run(cmd, tmp, timeout, check)
+
+
+def ft_launch(tmp: Path, nproc: int, overrides: list[str], config: Path = TINY, max_restarts: int = 3,
+              timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+    from pretrain.launch import ft_launcher_command
+
+    cmd = ft_launcher_command(config, nproc=nproc, ft_config=FT_CPU, max_restarts=max_restarts, overrides=overrides)
+    return run(cmd, tmp, timeout, check)
+
+
+def run(cmd: list[str], tmp: Path, timeout: int, check: bool) -> subprocess.CompletedProcess[str]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(tmp), cwd=tmp)
+    (tmp / "job.log").write_text(proc.stdout + proc.stderr)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"job failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Per-step metrics; a recomputed step keeps its last (post-restore) record."""
+    out: dict[int, dict[str, Any]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
+def full_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Megatron/torch distributed checkpoint, as full (unsharded) tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "full.pt"
+        dcp_to_torch_save(str(model_dir), str(out))
+        loaded = torch.load(out, weights_only=False)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+
+    walk("", loaded)
+    return flat
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst

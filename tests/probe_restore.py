@@ -1,0 +1,39 @@
+"""Rank program for the reshard test: restore the newest step into the current topology and
+re-save it, unchanged, to ``checkpoint.local.dir`` + ``-resaved``.
+
+Run it under torchrun with the same ``--set`` overrides as the training job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+from pretrain import cpu_shims
+from pretrain.checkpoint import CheckpointManager
+from pretrain.config import load_config
+from pretrain.train import build_session, restore_latest
+from tiering.collective import TorchCollective
+
+
+def main() -> int:
+    overrides = [arg for arg in sys.argv[2:]]
+    cfg = load_config(sys.argv[1], overrides)
+    cpu_shims.install()
+    dist.init_process_group("gloo")
+    session = build_session(cfg, dist.get_rank(), dist.get_world_size())
+    restored = restore_latest(session)
+    assert restored is not None, "nothing to restore"
+    cfg.checkpoint.local.dir = cfg.checkpoint.local.dir + "-resaved"
+    CheckpointManager(cfg, TorchCollective(), "probe").save(session.state)
+    if dist.get_rank() == 0:
+        print(f"PROBE restored={restored.step} rng_restored={restored.rng_restored}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sys.exit(main())

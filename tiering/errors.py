@@ -1,0 +1,27 @@
+"""The small exception hierarchy of the checkpoint tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CheckpointError(Exception):
+    """Base class of every checkpoint failure the tiers report."""
+
+
+class VerificationError(CheckpointError):
+    """A step failed verification. ``str(err)`` is one line naming the file and the fix."""
+
+    def __init__(self, path: Path | str, reason: str, fix: str = "the step will be skipped and quarantined") -> None:
+        self.path = str(path)
+        self.reason = reason
+        self.fix = fix
+        super().__init__(f"{self.path}: {reason}; {fix}")
+
+
+class PublishError(CheckpointError):
+    """A save could not be published; older committed steps are untouched."""
+
+
+class NoVerifiedCheckpoint(CheckpointError):
+    """No tier holds a step that verifies."""

@@ -1,0 +1,136 @@
+"""Tier 1: steps on node-local storage (or any POSIX directory) under the publish protocol."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiering.errors import VerificationError
+from tiering.fsio import atomic_write_bytes, dir_size, fsync_dir
+from tiering.layout import RunLayout, parse_step_name, parse_tmp_name
+from tiering.manifest import COMMITTED_NAME, Manifest
+from tiering.retention import KeepNewest
+from tiering.verify import read_manifest, verify_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStatus:
+    step: int
+    path: Path
+    committed: bool
+    bytes: int
+    age_s: float
+    verified: bool | None
+    reason: str = ""
+
+
+class LocalTier:
+    name = "local"
+
+    def __init__(self, root: Path | str, run_id: str, keep: int = 3) -> None:
+        self.layout = RunLayout(Path(root), run_id)
+        self.policy = KeepNewest(keep)
+
+    # -- discovery ---------------------------------------------------------------------------
+    def step_dirs(self) -> list[int]:
+        """Every published-looking ``step-N`` directory, newest first (marker not checked)."""
+        if not self.layout.steps_dir.is_dir():
+            return []
+        steps = (parse_step_name(p.name) for p in self.layout.steps_dir.iterdir())
+        return sorted((s for s in steps if s is not None), reverse=True)
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.step_dirs() if (self.layout.step_dir(s) / COMMITTED_NAME).is_file()]
+
+    def latest_hint(self) -> int | None:
+        """The step ``latest.json`` names, or None if it is absent or unreadable (it is only a hint)."""
+        path = self.layout.latest_path
+        if not path.exists():
+            return None
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+            step = body["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError("step is not an integer")
+            return step
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("%s: unreadable latest.json (%s); ignoring the hint and scanning steps", path, exc)
+            return None
+
+    def step_path(self, step: int) -> Path:
+        return self.layout.step_dir(step)
+
+    # -- verification ------------------------------------------------------------------------
+    def verify(self, step: int, shard: tuple[int, int] = (0, 1)) -> Manifest:
+        return verify_step(self.layout.step_dir(step), expect_run_id=self.layout.run_id, shard=shard)
+
+    def quarantine(self, step: int, reason: str) -> Path | None:
+        """Move ``step-N`` to ``quarantine/`` with a reason file; never delete it."""
+        src = self.layout.step_dir(step)
+        if not src.exists():
+            return None
+        qdir = self.layout.quarantine_dir
+        qdir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dst = qdir / f"{src.name}.{stamp}-{uuid.uuid4().hex[:6]}"
+        os.rename(src, dst)
+        fsync_dir(src.parent)
+        atomic_write_bytes(dst.with_name(dst.name + ".reason.txt"), (reason.rstrip() + "\n").encode())
+        log.warning("quarantined %s -> %s: %s", src, dst, reason)
+        return dst
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def clean_stale_tmp(self, current_attempt: str) -> list[Path]:
+        """Remove temporary step directories of earlier attempts (their writers are gone)."""
+        removed = []
+        if not self.layout.steps_dir.is_dir():
+            return removed
+        for path in self.layout.steps_dir.iterdir():
+            parsed = parse_tmp_name(path.name)
+            if parsed and parsed[1] != current_attempt:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
+
+    def apply_retention(self, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Delete steps beyond the policy. Structural verification decides which steps count as kept."""
+        verified = []
+        for step in self.committed_steps():
+            try:
+                read_manifest(self.layout.step_dir(step))
+                verified.append(step)
+            except VerificationError:
+                continue
+        doomed = self.policy.deletable(verified, protected)
+        for step in doomed:
+            path = self.layout.step_dir(step)
+            # Remove the marker first: a crash mid-delete leaves an uncommitted step, never a torn committed one.
+            (path / COMMITTED_NAME).unlink(missing_ok=True)
+            fsync_dir(path)
+            shutil.rmtree(path)
+        return doomed
+
+    def status(self, verify: bool = True) -> list[StepStatus]:
+        out = []
+        now = time.time()
+        for step in self.step_dirs():
+            path = self.layout.step_dir(step)
+            committed = (path / COMMITTED_NAME).is_file()
+            verified: bool | None = None
+            reason = ""
+            if verify:
+                try:
+                    self.verify(step)
+                    verified = True
+                except VerificationError as exc:
+                    verified, reason = False, str(exc)
+            out.append(StepStatus(step, path, committed, dir_size(path), now - path.stat().st_mtime, verified, reason))
+        return out

@@ -1,0 +1,138 @@
+"""The publish protocol for a POSIX tier (node-local NVMe or a shared file system).
+
+1. ``begin``: rank 0 creates a unique ``step-N.tmp-<attempt>`` directory; every rank writes into it.
+2. ``commit`` (collective): every rank fsyncs what it wrote and hashes a share of the files; rank 0
+   gathers sizes and SHA-256 into ``manifest.json``, fsyncs, renames the directory to ``step-N``
+   (atomic on one file system), writes ``COMMITTED`` bound to the manifest, and replaces
+   ``latest.json`` last. A published step directory is never overwritten.
+3. ``abort``: if any rank failed, the temporary directory is removed and nothing is published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from tiering.collective import Collective
+from tiering.errors import PublishError
+from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree, sha256_file
+from tiering.layout import RunLayout, step_name
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
+from tiering.verify import committed_marker
+
+log = logging.getLogger(__name__)
+
+
+class PosixStepPublisher:
+    def __init__(self, layout: RunLayout, coll: Collective, attempt: str) -> None:
+        self.layout = layout
+        self.coll = coll
+        self.attempt = attempt
+
+    def begin(self, step: int) -> Path:
+        """Create the temporary step directory (rank 0) and return it on every rank."""
+        error = None
+        tmp = self.layout.tmp_dir(step, self.attempt)
+        if self.coll.rank == 0:
+            try:
+                if self.layout.step_dir(step).exists():
+                    raise PublishError(
+                        f"{self.layout.step_dir(step)}: step already published; "
+                        "published steps are immutable, refusing to overwrite"
+                    )
+                self.layout.steps_dir.mkdir(parents=True, exist_ok=True)
+                tmp.mkdir(exist_ok=False)
+            except (OSError, PublishError) as exc:
+                error = str(exc)
+        error = self.coll.broadcast(error)
+        if error:
+            raise PublishError(error)
+        return tmp
+
+    def commit(self, tmp: Path, manifest: Manifest, local_ok: bool = True) -> Manifest:
+        """Collective: publish ``tmp`` as its step, or abort everywhere if any rank failed.
+
+        Every rank must call this, with ``local_ok=False`` if writing its part failed.
+        """
+        error: str | None = None
+        if not self.coll.all_true(local_ok):
+            error = "a rank failed to write its part of the step"
+        else:
+            entries: list[FileEntry] = []
+            try:
+                names = self.coll.broadcast(_list_files(tmp) if self.coll.rank == 0 else None)
+                world, rank = self.coll.world_size, self.coll.rank
+                entries = [_hash_entry(tmp, rel) for i, rel in enumerate(names) if i % world == rank]
+            except OSError as exc:
+                error = f"{exc.filename or tmp}: {exc.strerror or exc}"
+            gathered = self.coll.all_gather((error, entries))
+            error = next((err for err, _ in gathered if err), None)
+            if error is None and self.coll.rank == 0:
+                manifest.files = [entry for _, part in gathered for entry in part]
+                try:
+                    self._publish(tmp, manifest)
+                except (OSError, PublishError) as exc:
+                    error = f"{getattr(exc, 'filename', None) or tmp}: {getattr(exc, 'strerror', None) or exc}"
+            error = self.coll.broadcast(error)
+        if error is not None:
+            self.abort(tmp)
+            raise PublishError(f"step {manifest.step} not published: {error}; older steps are intact")
+        return manifest
+
+    def abort(self, tmp: Path) -> None:
+        self.coll.barrier()
+        if self.coll.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _publish(self, tmp: Path, manifest: Manifest) -> None:
+        raw = manifest.to_json()
+        with open(tmp / MANIFEST_NAME, "xb") as fh:
+            fh.write(raw)
+        fsync_tree(tmp)
+        final = self.layout.step_dir(manifest.step)
+        if final.exists():
+            raise PublishError(f"{final}: step already published; refusing to overwrite")
+        os.rename(tmp, final)
+        try:
+            fsync_dir(final.parent)
+            atomic_write_bytes(final / COMMITTED_NAME, committed_marker(manifest.step, raw))
+        except OSError:
+            # Not committed: move it back so abort() removes it and no half-published step stays.
+            os.rename(final, tmp)
+            raise
+        try:
+            write_latest(self.layout, manifest.step)
+        except OSError as exc:  # the step is committed; latest.json is only a hint
+            log.warning(
+                "%s: could not update latest.json (%s); step %d is committed, restore scans steps anyway",
+                self.layout.latest_path,
+                exc.strerror or exc,
+                manifest.step,
+            )
+
+
+def write_latest(layout: RunLayout, step: int) -> None:
+    body = {
+        "step": step,
+        "path": f"steps/{step_name(step)}",
+        "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    atomic_write_bytes(layout.latest_path, (json.dumps(body) + "\n").encode())
+
+
+def _list_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def _hash_entry(root: Path, rel: str) -> FileEntry:
+    size, digest = sha256_file(root / rel)
+    return FileEntry(rel, size, digest)
+
+
+def manifest_for(run_id: str, step: int, world_size: int, parallelism: dict[str, int], **fields: Any) -> Manifest:
+    return Manifest(run_id=run_id, step=step, world_size=world_size, parallelism=parallelism, files=[], **fields)

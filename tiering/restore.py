@@ -1,0 +1,48 @@
+"""Choosing the step to restore: newest first, verified collectively, failures quarantined."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tiering.collective import Collective
+from tiering.errors import VerificationError
+from tiering.manifest import Manifest
+from tiering.tier import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Selection:
+    tier: str
+    step: int
+    manifest: Manifest
+    rejected: list[tuple[int, str]]
+
+
+def select_newest_verified(tier: Tier, coll: Collective) -> Selection | None:
+    """Collective: return the newest step of ``tier`` that verifies on every rank, or None.
+
+    Rank 0 lists the candidates (``latest.json`` is not trusted); the ranks hash disjoint shares
+    of each candidate's files in parallel; a step any rank rejects is quarantined by rank 0 with
+    the first reason and the scan falls back to the next older step.
+    """
+    candidates: list[int] = coll.broadcast(tier.step_dirs() if coll.rank == 0 else None)  # type: ignore[attr-defined]
+    rejected: list[tuple[int, str]] = []
+    for step in candidates:
+        reason = None
+        manifest = None
+        try:
+            manifest = tier.verify(step, shard=(coll.rank, coll.world_size))
+        except VerificationError as exc:
+            reason = str(exc)
+        reasons = [r for r in coll.all_gather(reason) if r]
+        if not reasons and manifest is not None:
+            return Selection(tier.name, step, manifest, rejected)
+        rejected.append((step, reasons[0]))
+        if coll.rank == 0:
+            log.error("checkpoint rejected: %s", reasons[0])
+            tier.quarantine(step, reasons[0])
+        coll.barrier()
+    return None

@@ -1,0 +1,94 @@
+"""Verification of a published step: marker, manifest, paths, sizes and SHA-256 of every byte."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tiering.errors import VerificationError
+from tiering.fsio import sha256_file
+from tiering.layout import parse_step_name
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
+
+
+def committed_marker(step: int, manifest_bytes: bytes) -> bytes:
+    """The ``COMMITTED`` content binds the marker to exactly one manifest."""
+    import hashlib
+
+    body = {"step": step, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+    return (json.dumps(body, sort_keys=True) + "\n").encode()
+
+
+def read_manifest(step_dir: Path) -> Manifest:
+    """Check the marker and the manifest of ``step_dir`` without hashing the data files."""
+    step_dir = Path(step_dir)
+    if step_dir.is_symlink() or not step_dir.is_dir():
+        raise VerificationError(step_dir, "step directory is missing or is a symlink")
+    marker = step_dir / COMMITTED_NAME
+    manifest_path = step_dir / MANIFEST_NAME
+    if marker.is_symlink() or not marker.is_file():
+        raise VerificationError(marker, "COMMITTED marker is missing: the save never finished publishing")
+    if manifest_path.is_symlink() or not manifest_path.is_file():
+        raise VerificationError(manifest_path, "manifest.json is missing")
+    raw = manifest_path.read_bytes()
+    manifest = Manifest.from_json(raw, manifest_path)
+    try:
+        marker_body = json.loads(marker.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VerificationError(marker, "COMMITTED marker is not valid JSON") from exc
+    if marker.read_bytes() != committed_marker(manifest.step, raw) or not isinstance(marker_body, dict):
+        raise VerificationError(marker, "COMMITTED marker does not match manifest.json (manifest changed after commit)")
+    dir_step = parse_step_name(step_dir.name)
+    if dir_step is not None and dir_step != manifest.step:
+        raise VerificationError(manifest_path, f"manifest says step {manifest.step} but directory is {step_dir.name}")
+    return manifest
+
+
+def verify_step(
+    step_dir: Path,
+    *,
+    expect_run_id: str | None = None,
+    shard: tuple[int, int] = (0, 1),
+    hash_files: bool = True,
+) -> Manifest:
+    """Verify ``step_dir`` and return its manifest, or raise :class:`VerificationError`.
+
+    ``shard=(i, n)`` hashes only every n-th listed file starting at i, so that n ranks can verify
+    one step in parallel; the structural checks (marker, manifest, symlinks, unlisted or missing
+    files, sizes) always cover the whole step.
+    """
+    step_dir = Path(step_dir)
+    manifest = read_manifest(step_dir)
+    if expect_run_id is not None and manifest.run_id != expect_run_id:
+        raise VerificationError(
+            step_dir / MANIFEST_NAME, f"manifest belongs to run {manifest.run_id!r}, not {expect_run_id!r}"
+        )
+    listed = {f.path: f for f in manifest.files}
+    present: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(step_dir):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            if full.is_symlink():
+                raise VerificationError(full, "symlink inside a step directory")
+        for name in filenames:
+            rel = (Path(dirpath) / name).relative_to(step_dir).as_posix()
+            if rel in (MANIFEST_NAME, COMMITTED_NAME):
+                continue
+            if rel not in listed:
+                raise VerificationError(step_dir / rel, "file is not listed in manifest.json")
+            present.add(rel)
+    ordered = sorted(listed)
+    for index, rel in enumerate(ordered):
+        entry = listed[rel]
+        path = step_dir / rel
+        if rel not in present:
+            raise VerificationError(path, "file listed in manifest.json is missing (lost shard)")
+        size = path.stat().st_size
+        if size != entry.bytes:
+            raise VerificationError(path, f"size {size} != {entry.bytes} in manifest (truncated or extended)")
+        if hash_files and index % shard[1] == shard[0]:
+            _, digest = sha256_file(path)
+            if digest != entry.sha256:
+                raise VerificationError(path, "SHA-256 does not match manifest (corrupted bytes)")
+    return manifest
