@@ -13,6 +13,7 @@ A step directory holds:
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,7 @@ class CheckpointManager:
         self.tier = LocalTier(cfg.checkpoint.local.dir, cfg.run.id, cfg.checkpoint.local.keep)
         self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt)
         self.attempt = attempt
+        self._last_step_bytes = 0
 
     def prepare(self) -> None:
         """At start-up (old world gone): drop temporary directories left by earlier attempts."""
@@ -115,15 +117,17 @@ class CheckpointManager:
     def save(self, state: TrainingState) -> SaveResult:
         """Collective. Raises PublishError (on every rank) if the step could not be published."""
         t0 = time.perf_counter()
-        tmp = self.publisher.begin(state.step)
-        ok = True
+        tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)
+        error = None
         try:
             self._write(tmp, state)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            log.error("rank %d: writing step %d failed: %s", self.coll.rank, state.step, _one_line(exc))
-            ok = False
+            free = shutil.disk_usage(tmp.parent).free
+            error = f"{_one_line(exc)}; {free / 1e6:.1f} MB free on {tmp.parent}"
+            log.error("rank %d: writing step %d failed: %s", self.coll.rank, state.step, error)
         manifest = self._manifest(state)
-        self.publisher.commit(tmp, manifest, local_ok=ok)
+        self.publisher.commit(tmp, manifest, local_error=error)
+        self._last_step_bytes = manifest.total_bytes
         if self.coll.rank == 0:
             for step in self.tier.apply_retention():
                 log.info("retention: deleted step %d (keep=%d)", step, self.cfg.checkpoint.local.keep)
@@ -242,6 +246,15 @@ class CheckpointManager:
 
 
 def _one_line(exc: BaseException) -> str:
+    """One line naming the root cause; unwraps torch's per-rank CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner)
+        if isinstance(inner, tuple):  # Megatron's async writer reports (exception, traceback frames)
+            inner = inner[0]
+        if isinstance(inner, BaseException):
+            exc = inner
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 

@@ -219,6 +219,8 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         return _coerce(args[0], value, key, source)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         if value not in choices:
             raise ConfigError(
                 f"{source}: {key}={value!r} is not allowed; fix: use one of {', '.join(map(str, choices))}"

@@ -37,17 +37,35 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
-def torchrun(tmp: Path, nproc: int, overrides: list[str], config: Path = TINY, timeout: int = 300,
-             check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "pretrain", "train", "--config", str(config)]
+def torchrun(
+    tmp: Path, nproc: int, overrides: list[str], config: Path = TINY, timeout: int = 300, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "pretrain",
+        "train",
+        "--config",
+        str(config),
+    ]
     for item in overrides:
         cmd += ["--set", item]
     return run(cmd, tmp, timeout, check)
 
 
-def ft_launch(tmp: Path, nproc: int, overrides: list[str], config: Path = TINY, max_restarts: int = 3,
-              timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+def ft_launch(
+    tmp: Path,
+    nproc: int,
+    overrides: list[str],
+    config: Path = TINY,
+    max_restarts: int = 3,
+    timeout: int = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
     from pretrain.launch import ft_launcher_command
 
     cmd = ft_launcher_command(config, nproc=nproc, ft_config=FT_CPU, max_restarts=max_restarts, overrides=overrides)

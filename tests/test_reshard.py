@@ -26,15 +26,32 @@ def _audit_positions(run_dir: Path) -> dict[int, list[int]]:
 
 def test_tp2_checkpoint_loads_at_tp1_dp2(tmp_path: Path, corpus: Path) -> None:
     job = tmp_path / "job"
-    tp2 = overrides_for(job, corpus, **{"parallel.tp": 2, "train.steps": 20, "checkpoint.local.interval": 10,
-                                         "data.audit": "true", "schedule.decay_steps": 40})
+    tp2 = overrides_for(
+        job,
+        corpus,
+        **{
+            "parallel.tp": 2,
+            "train.steps": 20,
+            "checkpoint.local.interval": 10,
+            "data.audit": "true",
+            "schedule.decay_steps": 40,
+        },
+    )
     torchrun(job, 2, tp2)
     saved = full_tensors(job / "ckpt" / "t" / "steps" / "step-000000020" / "model")
 
     # Restore at TP=1/DP=2 and re-save unchanged: every full tensor must be bit-identical.
     tp1 = [o for o in tp2 if not o.startswith("parallel.tp=")] + ["parallel.tp=1"]
-    probe = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             str(REPO / "tests" / "probe_restore.py"), str(TINY), *tp1]
+    probe = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(REPO / "tests" / "probe_restore.py"),
+        str(TINY),
+        *tp1,
+    ]
     out = run(probe, job, timeout=300, check=True)
     assert "PROBE restored=20 rng_restored=False" in out.stdout + out.stderr
     resaved = full_tensors(job / "ckpt-resaved" / "t" / "steps" / "step-000000020" / "model")

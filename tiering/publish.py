@@ -34,8 +34,12 @@ class PosixStepPublisher:
         self.coll = coll
         self.attempt = attempt
 
-    def begin(self, step: int) -> Path:
-        """Create the temporary step directory (rank 0) and return it on every rank."""
+    def begin(self, step: int, expected_bytes: int = 0) -> Path:
+        """Create the temporary step directory (rank 0) and return it on every rank.
+
+        ``expected_bytes`` (e.g. the size of the previous step) lets a save that cannot fit fail up
+        front with a clear message instead of half-way through with whatever the writer reports.
+        """
         error = None
         tmp = self.layout.tmp_dir(step, self.attempt)
         if self.coll.rank == 0:
@@ -46,6 +50,13 @@ class PosixStepPublisher:
                         "published steps are immutable, refusing to overwrite"
                     )
                 self.layout.steps_dir.mkdir(parents=True, exist_ok=True)
+                free = shutil.disk_usage(self.layout.steps_dir).free
+                if expected_bytes and free < expected_bytes:
+                    raise PublishError(
+                        f"{self.layout.steps_dir}: not enough free space for step {step} "
+                        f"(needs ~{expected_bytes / 1e6:.1f} MB, {free / 1e6:.1f} MB free), older steps are "
+                        "intact; fix: free space on that volume or lower checkpoint.local.keep"
+                    )
                 tmp.mkdir(exist_ok=False)
             except (OSError, PublishError) as exc:
                 error = str(exc)
@@ -54,14 +65,15 @@ class PosixStepPublisher:
             raise PublishError(error)
         return tmp
 
-    def commit(self, tmp: Path, manifest: Manifest, local_ok: bool = True) -> Manifest:
+    def commit(self, tmp: Path, manifest: Manifest, local_error: str | None = None) -> Manifest:
         """Collective: publish ``tmp`` as its step, or abort everywhere if any rank failed.
 
-        Every rank must call this, with ``local_ok=False`` if writing its part failed.
+        Every rank must call this, passing ``local_error`` (one line) if writing its part failed.
         """
         error: str | None = None
-        if not self.coll.all_true(local_ok):
-            error = "a rank failed to write its part of the step"
+        errors = [(rank, err) for rank, err in enumerate(self.coll.all_gather(local_error)) if err]
+        if errors:
+            error = f"rank {errors[0][0]} failed to write its part ({errors[0][1]})"
         else:
             entries: list[FileEntry] = []
             try:

@@ -1,0 +1,28 @@
+"""`make demo`'s job: 2 ranks under ft_launcher, one SIGKILL, automatic recovery, a summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, job_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_recovers_and_prints_summary(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.run([PYTHON, "-m", "pretrain", "demo", "--workdir", str(work)], capture_output=True, text=True,
+                          timeout=240, env=job_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for label in ("failure at step", "checkpoint step restored", "lost steps", "restore seconds",
+                  "steps/s before failure", "steps/s after recovery"):
+        assert label in proc.stdout
+    summary = json.loads((work / "recovery-summary.json").read_text())
+    assert summary["final_step"] == 60 and summary["attempts"] == 2
+    (rec,) = summary["recoveries"]
+    assert (rec["failure_step"], rec["restored_step"], rec["lost_steps"]) == (37, 30, 6)
+    assert rec["restore_seconds"] > 0 and rec["failure_to_first_step_seconds"] > 0
