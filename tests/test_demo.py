@@ -15,11 +15,22 @@ pytestmark = pytest.mark.slow
 
 def test_demo_recovers_and_prints_summary(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    proc = subprocess.run([PYTHON, "-m", "pretrain", "demo", "--workdir", str(work)], capture_output=True, text=True,
-                          timeout=240, env=job_env(tmp_path))
+    proc = subprocess.run(
+        [PYTHON, "-m", "pretrain", "demo", "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=job_env(tmp_path),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for label in ("failure at step", "checkpoint step restored", "lost steps", "restore seconds",
-                  "steps/s before failure", "steps/s after recovery"):
+    for label in (
+        "failure at step",
+        "checkpoint step restored",
+        "lost steps",
+        "restore seconds",
+        "steps/s before failure",
+        "steps/s after recovery",
+    ):
         assert label in proc.stdout
     summary = json.loads((work / "recovery-summary.json").read_text())
     assert summary["final_step"] == 60 and summary["attempts"] == 2
