@@ -348,6 +348,12 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
             fail("model.precision", "bf16 training needs CUDA here", "use precision: fp32 on CPU")
         if p.sequence_parallel:
             fail("parallel.sequence_parallel", "needs TE/Apex norms (CUDA)", "set it to false on CPU")
+        if p.pp > 1 and not m.untie_embeddings:
+            fail(
+                "model.untie_embeddings",
+                "tied embeddings across pipeline stages need CUDA (Megatron moves them with .cuda())",
+                "set model.untie_embeddings: true for pp > 1 on CPU",
+            )
         if p.distributed_optimizer == "on":
             fail(
                 "parallel.distributed_optimizer",

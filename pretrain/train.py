@@ -288,7 +288,8 @@ def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[to
     losses = output.float().reshape(-1)
     mask = loss_mask.float().reshape(-1)
     loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def _global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:

@@ -100,6 +100,7 @@ def test_bad_config_names_key_file_and_fix(tmp_path: Path, text: str, overrides:
         (["parallel.sequence_parallel=true", "parallel.tp=2"], 2, "parallel.sequence_parallel"),
         (["parallel.distributed_optimizer=on"], 1, "parallel.distributed_optimizer"),
         (["run.id=a/b"], 1, "run.id"),
+        (["parallel.pp=2"], 2, "model.untie_embeddings"),
         (["fault_tolerance.inject.kill_rank=5"], 2, "fault_tolerance.inject.kill_rank"),
     ],
 )

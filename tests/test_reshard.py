@@ -72,3 +72,31 @@ def test_tp2_checkpoint_loads_at_tp1_dp2(tmp_path: Path, corpus: Path) -> None:
     assert consumed == list(range(30 * GBS)), "sample positions must be exactly 0..N-1 in order"
     for step, pos in positions.items():
         assert pos == list(range((step - 1) * GBS, step * GBS))
+
+
+def test_pp2_checkpoint_loads_at_pp1_dp2(tmp_path: Path, corpus: Path) -> None:
+    job = tmp_path / "job"
+    pp2 = overrides_for(
+        job,
+        corpus,
+        **{"parallel.pp": 2, "model.untie_embeddings": "true", "train.steps": 20, "checkpoint.local.interval": 20},
+    )
+    torchrun(job, 2, pp2)
+    saved = full_tensors(job / "ckpt" / "t" / "steps" / "step-000000020" / "model")
+    pp1 = [o for o in pp2 if not o.startswith("parallel.pp=")] + ["parallel.pp=1"]
+    probe = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(REPO / "tests" / "probe_restore.py"),
+        str(TINY),
+        *pp1,
+    ]
+    run(probe, job, timeout=300, check=True)
+    resaved = full_tensors(job / "ckpt-resaved" / "t" / "steps" / "step-000000020" / "model")
+    keys = [k for k in saved if not k.startswith("optimizer.") or k.startswith("optimizer.state.exp_avg")]
+    assert "decoder.layers.mlp.linear_fc1.weight" in keys and "output_layer.weight" in keys
+    for key in keys:
+        assert torch.equal(saved[key], resaved[key]), f"{key} changed across PP=2 -> PP=1/DP=2"
