@@ -106,10 +106,7 @@ class CheckpointManager:
         self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt)
         self.attempt = attempt
         self._last_step_bytes = 0
-        # Megatron's file writer starts a spawn-context multiprocessing Manager on its first save
-        # (~2.5 s here). Start it now, in the background, so that no save pays it at step time.
-        self._warmup = threading.Thread(target=_warm_up_writer, name="ckpt-writer-warmup", daemon=True)
-        self._warmup.start()
+        self._warmup = start_writer_warmup()
 
     def prepare(self) -> None:
         """At start-up (old world gone): drop temporary directories left by earlier attempts."""
@@ -249,6 +246,25 @@ class CheckpointManager:
 
     def step_size_bytes(self, step: int) -> int:
         return dir_size(self.tier.step_path(step))
+
+
+_warmup_lock = threading.Lock()
+_warmup_thread: threading.Thread | None = None
+
+
+def start_writer_warmup() -> threading.Thread:
+    """Start Megatron's checkpoint-writer Manager once per process, in the background.
+
+    Megatron's file writer starts a spawn-context multiprocessing Manager on its first save (~2.5 s
+    here); warming it at start-up keeps that off the step. One thread per process: two concurrent
+    first calls would race on Megatron's unguarded module global.
+    """
+    global _warmup_thread
+    with _warmup_lock:
+        if _warmup_thread is None:
+            _warmup_thread = threading.Thread(target=_warm_up_writer, name="ckpt-writer-warmup", daemon=True)
+            _warmup_thread.start()
+        return _warmup_thread
 
 
 def _warm_up_writer() -> None:
