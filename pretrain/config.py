@@ -98,14 +98,40 @@ class TrainConfig:
 
 @dataclass
 class LocalTierConfig:
+    """Tier 1: frequent per-rank saves to node-local storage (same topology to load)."""
+
     dir: str = "runs/ckpt-local"
     interval: int = 10
     keep: int = 3
+    enabled: bool = True
+
+
+@dataclass
+class ReplicationConfig:
+    """Tier 2: each local step copied to peers in other failure domains."""
+
+    factor: int = 2  # copies of each rank's step, its own included; 1 disables replication
+    domains: dict[str, str] = field(default_factory=dict)  # node name -> failure domain
+    allow_same_domain: bool = False  # single-node development only
+    node: str | None = None  # this rank's node name (default: NODE_NAME, SLURMD_NODENAME, hostname)
+    timeout_s: float = 60.0  # bound on every replication transfer
+
+
+@dataclass
+class ReshardableTierConfig:
+    """Megatron distributed checkpoints (fully reshardable) on shared storage or S3 staging."""
+
+    dir: str = "runs/ckpt-reshardable"
+    interval: int = 50
+    keep: int = 2
+    enabled: bool = True
 
 
 @dataclass
 class CheckpointConfig:
     local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    reshardable: ReshardableTierConfig = field(default_factory=ReshardableTierConfig)
     load: bool = True
 
 
@@ -115,6 +141,9 @@ class FaultInjectionConfig:
 
     kill_rank: int = -1
     kill_at_step: int = -1
+    kill_node: str | None = None  # SIGKILL every rank on this node at kill_at_step
+    # SIGKILL this rank while it receives a replica at kill_at_step (a peer dying mid-replication)
+    kill_during_replication_rank: int = -1
 
 
 @dataclass
@@ -275,6 +304,9 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
         "train.log_interval": t.log_interval,
         "checkpoint.local.interval": cfg.checkpoint.local.interval,
         "checkpoint.local.keep": cfg.checkpoint.local.keep,
+        "checkpoint.replication.factor": cfg.checkpoint.replication.factor,
+        "checkpoint.reshardable.interval": cfg.checkpoint.reshardable.interval,
+        "checkpoint.reshardable.keep": cfg.checkpoint.reshardable.keep,
     }
     for key, value in positives.items():
         if value < 1:
@@ -362,6 +394,10 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
             )
     if p.sequence_parallel and p.tp == 1:
         fail("parallel.sequence_parallel", "needs tp > 1", "enable tensor parallelism or disable it")
+    if cfg.checkpoint.replication.timeout_s <= 0:
+        fail("checkpoint.replication.timeout_s", "must be > 0", "give a bound in seconds")
+    if not cfg.checkpoint.local.enabled and not cfg.checkpoint.reshardable.enabled:
+        fail("checkpoint.local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
     inj = cfg.fault_tolerance.inject
     if inj.kill_rank >= world_size:
         fail(

@@ -48,6 +48,10 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
         "run.id=demo",
         f"data.prefix={data_prefix}",
         f"checkpoint.local.dir={work / 'ckpt-local'}",
+        f"checkpoint.reshardable.dir={work / 'ckpt-reshardable'}",
+        "checkpoint.reshardable.interval=20",
+        # One machine is one failure domain: replicate to the other rank anyway (development only).
+        "checkpoint.replication.allow_same_domain=true",
         "train.steps=60",
         "checkpoint.local.interval=10",
         "fault_tolerance.inject.kill_rank=1",

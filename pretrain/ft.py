@@ -47,10 +47,11 @@ class Heartbeat:
             self.client = None
 
 
-def maybe_inject_fault(cfg: Config, rank: int, step: int, record) -> None:  # noqa: ANN001
-    """SIGKILL this rank at the configured step, on the launcher's first attempt only."""
+def maybe_inject_fault(cfg: Config, rank: int, step: int, record, node: str | None = None) -> None:  # noqa: ANN001
+    """SIGKILL this rank (or every rank of a node) at the configured step, on the first attempt only."""
     inj = cfg.fault_tolerance.inject
-    if inj.kill_rank == rank and inj.kill_at_step == step and launcher_restart_count() == 0:
-        record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL")
+    chosen = inj.kill_rank == rank or (inj.kill_node is not None and inj.kill_node == node)
+    if chosen and inj.kill_at_step == step and launcher_restart_count() == 0:
+        record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL", node=node)
         log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -36,6 +36,12 @@ class TrainOptimizer(Protocol):
 
     def load_sharded_state_dict(self, state: dict) -> None: ...
 
+    def local_state_dict(self) -> dict:
+        """This rank's optimizer state as it lives here (fast local saves; same topology to load)."""
+        ...
+
+    def load_local_state_dict(self, state: dict) -> None: ...
+
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return param.dim() == 1 or name.endswith(".bias")
@@ -106,6 +112,12 @@ class CpuAdamW:
         state["param_groups"] = self.opt.state_dict()["param_groups"]
         self.opt.load_state_dict(state)
 
+    def local_state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_local_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)
+
 
 class MegatronDistributedOptimizer:
     """Megatron's DistributedOptimizer (CUDA): sharded fp32 master weights and Adam state."""
@@ -150,6 +162,14 @@ class MegatronDistributedOptimizer:
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state)
+
+    def local_state_dict(self) -> dict:
+        # This rank's shard of the fp32 main params and Adam moments, as it lives here.
+        return {"optimizer": self.opt.state_dict(), "param_state": self.opt.get_parameter_state_dp_reshardable()}
+
+    def load_local_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.opt.load_parameter_state_from_dp_reshardable(state["param_state"])
 
 
 def uses_distributed_optimizer(cfg: Config) -> bool:

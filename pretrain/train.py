@@ -80,8 +80,8 @@ class Session:
     attempt: str
     ddp: Any
     dataset: Any
-    state: Any  # pretrain.checkpoint.TrainingState
-    ckpt: Any  # pretrain.checkpoint.CheckpointManager
+    state: Any  # pretrain.checkpointing.state.TrainingState
+    ckpt: Any  # pretrain.checkpointing.tiered.TieredCheckpointer
     runlog: RunLog
     heartbeat: Heartbeat
 
@@ -92,7 +92,8 @@ def build_session(cfg: Config, rank: int, world: int) -> Session:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from pretrain.checkpoint import CheckpointManager, TrainingState
+    from pretrain.checkpointing.state import TrainingState
+    from pretrain.checkpointing.tiered import TieredCheckpointer
     from pretrain.data.dataset import GlobalBatchSampler, build_train_dataset
     from pretrain.data.prepare import dataset_snapshot_id
     from pretrain.model import build_model, resolve_spec_name, transformer_config
@@ -150,9 +151,8 @@ def build_session(cfg: Config, rank: int, world: int) -> Session:
         launcher_restart_count=launcher_restart_count(),
         host=os.uname().nodename,
     )
-    return Session(
-        cfg, rank, world, attempt, ddp, dataset, state, CheckpointManager(cfg, coll, attempt), runlog, Heartbeat(cfg)
-    )
+    ckpt = TieredCheckpointer(cfg, coll, attempt, topology, record_event=runlog.event)
+    return Session(cfg, rank, world, attempt, ddp, dataset, state, ckpt, runlog, Heartbeat(cfg))
 
 
 def restore_latest(session: Session) -> Any:
@@ -177,6 +177,8 @@ def restore_latest(session: Session) -> Any:
             verify_seconds=restored.verify_seconds,
             rng_restored=restored.rng_restored,
             rejected=[{"step": s, "reason": r} for s, r in restored.rejected],
+            per_rank=restored.per_rank,
+            notes=restored.notes,
         )
     else:
         log.info("no verified checkpoint: starting from step 0")
@@ -200,7 +202,8 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
     t_start = time.perf_counter()
     t_window, window_steps = t_start, 0
     for step in range(first_step, cfg.train.steps + 1):
-        maybe_inject_fault(cfg, rank, step, runlog.event)
+        node = session.ckpt.local.node if session.ckpt.local is not None else None
+        maybe_inject_fault(cfg, rank, step, runlog.event, node=node)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         microbatches = sampler.microbatches(session.dataset, state.consumed_samples)
@@ -230,19 +233,33 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
             tok_s = window_steps * gbs * seq / max(now - t_window, 1e-9)
             log.info("step %d | loss %.6f | grad norm %.4f | lr %.3e | %.0f tokens/s", step, loss, grad_norm, lr, tok_s)
             t_window, window_steps = now, 0
-        if step % cfg.checkpoint.local.interval == 0 or step == cfg.train.steps:
+        for tier in session.ckpt.due(step):
             try:
-                saved = session.ckpt.save(state)
-                runlog.event("save", tier="local", step=step, seconds=saved.seconds, bytes=saved.bytes)
+                saved = session.ckpt.save(tier, state)
+                runlog.event(
+                    "save",
+                    tier=saved.tier,
+                    step=step,
+                    seconds=saved.seconds,
+                    bytes=saved.bytes,
+                    replication_seconds=saved.replication_seconds,
+                    under_replicated=saved.under_replicated,
+                )
                 if rank == 0:
+                    extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
                     log.info(
-                        "saved step %d: %.1f MB in %.2fs -> %s", step, saved.bytes / 1e6, saved.seconds, saved.path
+                        "saved step %d to tier %s: %.1f MB in %.2fs%s",
+                        step,
+                        saved.tier,
+                        saved.bytes / 1e6,
+                        saved.seconds,
+                        extra,
                     )
             except PublishError as exc:
-                # The step is not published; older steps are intact. Training goes on and the next
-                # interval tries again.
+                # The step is not published in this tier; older steps are intact. Training goes on
+                # and the next interval tries again.
                 log.error("checkpoint at step %d failed: %s", step, exc)
-                runlog.event("save_failed", tier="local", step=step, error=str(exc))
+                runlog.event("save_failed", tier=tier.name, step=step, error=str(exc))
             heartbeat.beat()
     elapsed = time.perf_counter() - t_start
     done = state.step - first_step + 1

@@ -32,6 +32,7 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
         "run.id": "t",
         "data.prefix": str(corpus),
         "checkpoint.local.dir": str(tmp / "ckpt"),
+        "checkpoint.reshardable.dir": str(tmp / "reshard"),
         **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]

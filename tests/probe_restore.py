@@ -12,7 +12,7 @@ import sys
 import torch.distributed as dist
 
 from pretrain import cpu_shims
-from pretrain.checkpoint import CheckpointManager
+from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.config import load_config
 from pretrain.train import build_session, restore_latest
 from tiering.collective import TorchCollective
@@ -26,8 +26,8 @@ def main() -> int:
     session = build_session(cfg, dist.get_rank(), dist.get_world_size())
     restored = restore_latest(session)
     assert restored is not None, "nothing to restore"
-    cfg.checkpoint.local.dir = cfg.checkpoint.local.dir + "-resaved"
-    CheckpointManager(cfg, TorchCollective(), "probe").save(session.state)
+    out = cfg.checkpoint.reshardable.dir + "-resaved"
+    ReshardableCheckpoints(cfg, TorchCollective(), "probe", directory=out).save(session.state)
     if dist.get_rank() == 0:
         print(f"PROBE restored={restored.step} rng_restored={restored.rng_restored}", flush=True)
     dist.destroy_process_group()

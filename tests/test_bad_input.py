@@ -24,10 +24,23 @@ STEP30 = "t/steps/step-000000030"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    """A real 2-rank run with committed steps 10, 20 and 30; returns its checkpoint root."""
+    """A real 2-rank run with committed reshardable steps 10, 20 and 30; returns that tier's root."""
     job = tmp_path_factory.mktemp("trained")
-    torchrun(job, 2, overrides_for(job, corpus, **{"train.steps": 30, "checkpoint.local.interval": 10}))
-    return job / "ckpt"
+    torchrun(
+        job,
+        2,
+        overrides_for(
+            job,
+            corpus,
+            **{
+                "train.steps": 30,
+                "checkpoint.local.enabled": "false",
+                "checkpoint.reshardable.interval": 10,
+                "checkpoint.reshardable.keep": 3,
+            },
+        ),
+    )
+    return job / "reshard"
 
 
 @pytest.fixture
@@ -150,15 +163,28 @@ def test_manifest_roundtrip_matches_files(ckpt: Path) -> None:
 @pytest.mark.slow
 def test_trainer_skips_corrupt_newest_step_and_resumes_from_older(trained: Path, tmp_path: Path, corpus: Path) -> None:
     job = tmp_path / "job"
-    copy_tree(trained, job / "ckpt")
-    _flip_byte(job / "ckpt" / STEP30 / "model" / "__0_1.distcp")
-    torchrun(job, 2, overrides_for(job, corpus, **{"train.steps": 40, "checkpoint.local.interval": 10}))
+    copy_tree(trained, job / "reshard")
+    _flip_byte(job / "reshard" / STEP30 / "model" / "__0_1.distcp")
+    torchrun(
+        job,
+        2,
+        overrides_for(
+            job,
+            corpus,
+            **{
+                "train.steps": 40,
+                "checkpoint.local.enabled": "false",
+                "checkpoint.reshardable.interval": 10,
+                "checkpoint.reshardable.keep": 3,
+            },
+        ),
+    )
     restore = [e for e in events(job / "runs" / "t") if e["event"] == "restore"]
     assert restore[0]["step"] == 20
     assert restore[0]["rejected"][0]["step"] == 30 and "__0_1.distcp" in restore[0]["rejected"][0]["reason"]
     assert min(metrics_by_step(job / "runs" / "t")) == 21, "first step after restore is manifest step + 1"
-    assert (job / "ckpt" / "t" / "steps" / "step-000000040" / "COMMITTED").is_file()
-    assert list((job / "ckpt" / "t" / "quarantine").glob("step-000000030.*.reason.txt"))
+    assert (job / "reshard" / "t" / "steps" / "step-000000040" / "COMMITTED").is_file()
+    assert list((job / "reshard" / "t" / "quarantine").glob("step-000000030.*.reason.txt"))
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
@@ -180,11 +206,24 @@ def test_full_disk_fails_the_save_cleanly_and_keeps_older_steps(
     tmp_path: Path, corpus: Path, size: str, saved: list[int], failed: list[int], message: str
 ) -> None:
     job = tmp_path / "job"
-    disk = job / "ckpt"
+    disk = job / "reshard"
     if not _mount_tmpfs(disk, size):
         pytest.skip("needs root to mount a small tmpfs as a full disk")
     try:
-        torchrun(job, 2, overrides_for(job, corpus, **{"train.steps": 30, "checkpoint.local.interval": 10}))
+        torchrun(
+            job,
+            2,
+            overrides_for(
+                job,
+                corpus,
+                **{
+                    "train.steps": 30,
+                    "checkpoint.local.enabled": "false",
+                    "checkpoint.reshardable.interval": 10,
+                    "checkpoint.reshardable.keep": 3,
+                },
+            ),
+        )
         ev = events(job / "runs" / "t")
         assert [e["step"] for e in ev if e["event"] == "save"] == saved
         errors = [e for e in ev if e["event"] == "save_failed"]

@@ -38,7 +38,7 @@ def test_tp2_checkpoint_loads_at_tp1_dp2(tmp_path: Path, corpus: Path) -> None:
         },
     )
     torchrun(job, 2, tp2)
-    saved = full_tensors(job / "ckpt" / "t" / "steps" / "step-000000020" / "model")
+    saved = full_tensors(job / "reshard" / "t" / "steps" / "step-000000020" / "model")
 
     # Restore at TP=1/DP=2 and re-save unchanged: every full tensor must be bit-identical.
     tp1 = [o for o in tp2 if not o.startswith("parallel.tp=")] + ["parallel.tp=1"]
@@ -53,8 +53,10 @@ def test_tp2_checkpoint_loads_at_tp1_dp2(tmp_path: Path, corpus: Path) -> None:
         *tp1,
     ]
     out = run(probe, job, timeout=300, check=True)
-    assert "PROBE restored=20 rng_restored=False" in out.stdout + out.stderr
-    resaved = full_tensors(job / "ckpt-resaved" / "t" / "steps" / "step-000000020" / "model")
+    log = out.stdout + out.stderr
+    assert "PROBE restored=20 rng_restored=False" in log
+    assert "tier 1-2 copies saved at another topology are not loadable here, using the reshardable tier" in log
+    resaved = full_tensors(job / "reshard-resaved" / "t" / "steps" / "step-000000020" / "model")
     model_keys = [k for k in saved if not k.startswith("optimizer.")]
     moment_keys = [k for k in saved if k.startswith("optimizer.state.exp_avg")]
     assert "embedding.word_embeddings.weight" in model_keys
@@ -82,7 +84,7 @@ def test_pp2_checkpoint_loads_at_pp1_dp2(tmp_path: Path, corpus: Path) -> None:
         **{"parallel.pp": 2, "model.untie_embeddings": "true", "train.steps": 20, "checkpoint.local.interval": 20},
     )
     torchrun(job, 2, pp2)
-    saved = full_tensors(job / "ckpt" / "t" / "steps" / "step-000000020" / "model")
+    saved = full_tensors(job / "reshard" / "t" / "steps" / "step-000000020" / "model")
     pp1 = [o for o in pp2 if not o.startswith("parallel.pp=")] + ["parallel.pp=1"]
     probe = [
         PYTHON,
@@ -95,7 +97,7 @@ def test_pp2_checkpoint_loads_at_pp1_dp2(tmp_path: Path, corpus: Path) -> None:
         *pp1,
     ]
     run(probe, job, timeout=300, check=True)
-    resaved = full_tensors(job / "ckpt-resaved" / "t" / "steps" / "step-000000020" / "model")
+    resaved = full_tensors(job / "reshard-resaved" / "t" / "steps" / "step-000000020" / "model")
     keys = [k for k in saved if not k.startswith("optimizer.") or k.startswith("optimizer.state.exp_avg")]
     assert "decoder.layers.mlp.linear_fc1.weight" in keys and "output_layer.weight" in keys
     for key in keys:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> None:
-    common = {"train.steps": 60, "checkpoint.local.interval": 10}
+    common = {"train.steps": 60, "checkpoint.local.interval": 10, "checkpoint.reshardable.interval": 20}
     base = tmp_path / "baseline"
     torchrun(base, 2, overrides_for(base, corpus, **common))
 
@@ -33,7 +33,8 @@ def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> N
     faults = [e for e in ev if e["event"] == "fault_injected"]
     restores = [e for e in ev if e["event"] == "restore"]
     assert [(f["rank"], f["step"]) for f in faults] == [(1, 37)]
-    assert [r["step"] for r in restores] == [30], "the restarted group must restore step 30"
+    assert [(r["step"], r["tier"]) for r in restores] == [(30, "local")], "the restarted group must restore step 30"
+    assert [row["tier"] for row in restores[0]["per_rank"]] == ["local", "local"]
     assert restores[0]["rng_restored"] is True
     assert len({e["attempt"] for e in ev if e["event"] == "start"}) == 2
 
@@ -48,8 +49,8 @@ def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> N
     second = [rec for rec in (crash / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
     assert '"step": 31' in next(line for line in second if restores[0]["attempt"] in line)
 
-    final_b = full_tensors(base / "ckpt" / "t" / "steps" / "step-000000060" / "model")
-    final_r = full_tensors(crash / "ckpt" / "t" / "steps" / "step-000000060" / "model")
+    final_b = full_tensors(base / "reshard" / "t" / "steps" / "step-000000060" / "model")
+    final_r = full_tensors(crash / "reshard" / "t" / "steps" / "step-000000060" / "model")
     assert final_b.keys() == final_r.keys()
     assert any(k.startswith("optimizer.state.exp_avg.") for k in final_b)
     for key in final_b:

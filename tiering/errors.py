@@ -25,3 +25,7 @@ class PublishError(CheckpointError):
 
 class NoVerifiedCheckpoint(CheckpointError):
     """No tier holds a step that verifies."""
+
+
+class ReplicaRejected(VerificationError):
+    """A copy received from a peer does not match its manifest (or the run/step it claims)."""

@@ -33,11 +33,20 @@ class StepStatus:
 
 
 class LocalTier:
-    name = "local"
+    """Published steps under ``<root>/<dirname>/steps``.
 
-    def __init__(self, root: Path | str, run_id: str, keep: int = 3) -> None:
-        self.layout = RunLayout(Path(root), run_id)
+    ``dirname`` is the run id for a whole-run store (the reshardable tier), or ``rank-NNNNN`` for
+    a per-rank primary or replica store; ``run_id`` (default: ``dirname``) is what manifests
+    must name.
+    """
+
+    def __init__(
+        self, root: Path | str, dirname: str, keep: int = 3, *, run_id: str | None = None, name: str = "local"
+    ) -> None:
+        self.layout = RunLayout(Path(root), dirname)
         self.policy = KeepNewest(keep)
+        self.run_id = run_id or dirname
+        self.name = name
 
     # -- discovery ---------------------------------------------------------------------------
     def step_dirs(self) -> list[int]:
@@ -70,7 +79,7 @@ class LocalTier:
 
     # -- verification ------------------------------------------------------------------------
     def verify(self, step: int, shard: tuple[int, int] = (0, 1)) -> Manifest:
-        return verify_step(self.layout.step_dir(step), expect_run_id=self.layout.run_id, shard=shard)
+        return verify_step(self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard)
 
     def quarantine(self, step: int, reason: str) -> Path | None:
         """Move ``step-N`` to ``quarantine/`` with a reason file; never delete it."""

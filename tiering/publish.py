@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,3 +149,86 @@ def _hash_entry(root: Path, rel: str) -> FileEntry:
 
 def manifest_for(run_id: str, step: int, world_size: int, parallelism: dict[str, int], **fields: Any) -> Manifest:
     return Manifest(run_id=run_id, step=step, world_size=world_size, parallelism=parallelism, files=[], **fields)
+
+
+def publish_received(
+    layout: RunLayout,
+    manifest_raw: bytes,
+    files: list[tuple[str, bytes]],
+    attempt: str,
+    expect_run_id: str,
+    expect_step: int,
+    expect_owner: int | None = None,
+) -> Manifest:
+    """Publish a step received from another rank, byte for byte under the owner's manifest.
+
+    Sizes and SHA-256 of every received file are checked against the manifest (and the manifest
+    against the run, step and owner the sender claims) before anything is published; a mismatch
+    raises :class:`ReplicaRejected` and nothing is written.
+    """
+    import hashlib
+
+    from tiering.errors import ReplicaRejected
+    from tiering.manifest import check_relative_path
+
+    final = layout.step_dir(expect_step)
+    where = final / MANIFEST_NAME
+    manifest = Manifest.from_json(manifest_raw, where)
+    if manifest.run_id != expect_run_id:
+        raise ReplicaRejected(
+            where, f"replica belongs to run {manifest.run_id!r}, expected {expect_run_id!r}", "the replica is discarded"
+        )
+    if manifest.step != expect_step:
+        raise ReplicaRejected(
+            where, f"replica manifest is for step {manifest.step}, expected {expect_step}", "the replica is discarded"
+        )
+    if expect_owner is not None and manifest.extra.get("owner_rank") != expect_owner:
+        raise ReplicaRejected(
+            where,
+            f"replica manifest is owned by rank {manifest.extra.get('owner_rank')}, expected {expect_owner}",
+            "the replica is discarded",
+        )
+    listed = {f.path: f for f in manifest.files}
+    received = dict(files)
+    if set(listed) != set(received):
+        missing = sorted(set(listed) ^ set(received))
+        raise ReplicaRejected(final / missing[0], "received files differ from the manifest", "the replica is discarded")
+    for rel, data in received.items():
+        check_relative_path(rel, where)
+        entry = listed[rel]
+        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ReplicaRejected(
+                final / rel, "received bytes do not match the manifest's size/SHA-256", "the replica is discarded"
+            )
+    if final.exists():
+        if (final / COMMITTED_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == manifest_raw:
+            return manifest  # already here, identical: idempotent
+        raise PublishError(f"{final}: a different step is already published here; refusing to overwrite")
+    tmp = layout.tmp_dir(expect_step, attempt)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        for rel, data in received.items():
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "xb") as fh:
+                fh.write(data)
+        with open(tmp / MANIFEST_NAME, "xb") as fh:
+            fh.write(manifest_raw)
+        fsync_tree(tmp)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        atomic_write_bytes(final / COMMITTED_NAME, committed_marker(expect_step, manifest_raw))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with contextlib.suppress(OSError):  # latest.json is only a hint
+        write_latest(layout, expect_step)
+    return manifest
+
+
+def read_step_payload(step_dir: Path) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """The manifest bytes and listed files of a published step, for sending to a peer."""
+    raw = (step_dir / MANIFEST_NAME).read_bytes()
+    manifest = Manifest.from_json(raw, step_dir / MANIFEST_NAME)
+    return raw, [(f.path, (step_dir / f.path).read_bytes()) for f in manifest.files]

@@ -1,0 +1,200 @@
+"""Tiers 1-2: fast per-rank saves to node-local storage, replicated to peers in other domains.
+
+Each rank writes its own state as it lives on that rank (its model and optimizer shards, the
+trainer state and its RNG/data cursor) into one ``state.pt`` under the publish protocol, in its
+own primary store; then the bytes go to ``checkpoint.replication.factor - 1`` peers in other
+failure domains, which verify them against the owner's manifest before committing the replica.
+Loading needs the same topology; another topology falls back to the reshardable tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.checkpointing.state import (
+    SaveResult,
+    TrainingState,
+    apply_trainer_state,
+    one_line,
+    restore_rank_rng,
+    step_manifest,
+    trainer_state,
+)
+from pretrain.config import Config, ConfigError
+from pretrain.ft import launcher_restart_count
+from pretrain.rank_state import rank_state
+from tiering.collective import Collective, SingleProcess, TorchCollective
+from tiering.errors import PublishError
+from tiering.fsio import dir_size
+from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore
+from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
+from tiering.publish import PosixStepPublisher
+from tiering.replication import PeerReplicator, primary_store, replica_store
+from tiering.transport import Transport
+
+log = logging.getLogger(__name__)
+
+FORMAT = "per-rank-torch/v1"
+STATE_FILE = "state.pt"
+
+
+class PerRankCheckpoints:
+    name = "local"
+
+    def __init__(
+        self,
+        cfg: Config,
+        coll: Collective,
+        attempt: str,
+        topology: dict[str, int],
+        replication_group: Any,
+        record_event: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.coll = coll
+        self.rank = coll.rank
+        self.world = coll.world_size
+        self.attempt = attempt
+        self.topology = topology
+        self.keep = cfg.checkpoint.local.keep
+        self.run_id = cfg.run.id
+        self.node_root = Path(cfg.checkpoint.local.dir) / cfg.run.id
+        self.store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
+        self.publisher = PosixStepPublisher(self.store.layout, SingleProcess(), attempt)
+        self._record_event = record_event
+        self._last_bytes = 0
+        rep = cfg.checkpoint.replication
+        self.node = node_name(rep.node)
+        pairs = coll.all_gather((self.node, failure_domain(self.node, rep.domains)))
+        self.identities = [RankIdentity(r, n, d) for r, (n, d) in enumerate(pairs)]
+        try:
+            self.holders = replica_holders(self.identities, rep.factor, rep.allow_same_domain)
+        except PlacementError as exc:
+            raise ConfigError(f"{cfg.source}: {exc}") from exc
+        transport = Transport(replication_group, rep.timeout_s)
+        self.replicator = PeerReplicator(
+            self.run_id,
+            self.rank,
+            self.holders,
+            self.node_root,
+            transport,
+            TorchCollective(replication_group),
+            self.keep,
+            attempt,
+            before_accept=self._maybe_die_while_receiving,
+        )
+        self.recovery = PeerRecovery(
+            self.run_id, self.rank, self.world, self.node, self.node_root, coll, transport, topology, self.keep, attempt
+        )
+        if self.rank == 0:
+            log.info(
+                "replica placement (owner -> holders): %s; domains: %s",
+                self.holders,
+                {i.rank: i.domain for i in self.identities},
+            )
+
+    def prepare(self) -> None:
+        """Drop this rank's temporary directories left by earlier attempts."""
+        for store in [self.store] + [
+            replica_store(self.node_root, o, self.run_id, self.keep) for o in self.replicator.owners_held
+        ]:
+            for path in store.clean_stale_tmp(self.attempt):
+                log.info("removed unfinished local save of an earlier attempt: %s", path)
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, state: TrainingState) -> SaveResult:
+        """Collective. Raises PublishError on every rank if any rank could not publish its step."""
+        t0 = time.perf_counter()
+        error = None
+        published: Path | None = None
+        try:
+            tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
+            write_error = None
+            try:
+                torch.save(self._payload(state), tmp / STATE_FILE)
+            except Exception as exc:
+                write_error = one_line(exc)
+            manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+            self.publisher.commit(tmp, manifest, local_error=write_error)
+            self._last_bytes = manifest.total_bytes
+            published = self.store.step_path(state.step)
+        except (PublishError, OSError) as exc:
+            error = str(exc)
+            log.error("rank %d: local save of step %d failed: %s", self.rank, state.step, error)
+        local_s = time.perf_counter() - t0
+        report = self.replicator.replicate(state.step, published)
+        replication_s = time.perf_counter() - t0 - local_s
+        if published is not None:
+            for step in self.store.apply_retention():
+                log.debug("retention: deleted local step %d (keep=%d)", step, self.keep)
+        errors = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
+        if errors:
+            raise PublishError(f"step {state.step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
+        if report.under_replicated and self.rank == 0:
+            log.warning(
+                "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
+                state.step,
+                report.under_replicated,
+                self.cfg.checkpoint.replication.factor,
+                next(iter(report.failures.values())),
+            )
+        nbytes = self._last_bytes
+        return SaveResult(
+            self.name,
+            state.step,
+            local_s,
+            nbytes,
+            published or self.store.step_path(state.step),
+            report.under_replicated,
+            replication_s,
+        )
+
+    def _payload(self, state: TrainingState) -> dict[str, Any]:
+        cursor = state.sampler.cursor(state.consumed_samples)
+        return {
+            "format": FORMAT,
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.local_state_dict(),
+            "trainer": trainer_state(state),
+            "rank_state": rank_state(self.rank, state.topology, cursor),
+        }
+
+    def _maybe_die_while_receiving(self, owner: int, step: int) -> None:
+        inj = self.cfg.fault_tolerance.inject
+        if inj.kill_during_replication_rank == self.rank and inj.kill_at_step == step and launcher_restart_count() == 0:
+            if self._record_event is not None:
+                self._record_event(
+                    "fault_injected",
+                    force=True,
+                    rank=self.rank,
+                    step=step,
+                    signal="SIGKILL",
+                    during="replication",
+                    owner=owner,
+                )
+            log.warning(
+                "fault injection: rank %d SIGKILLs itself while receiving rank %d's step %d", self.rank, owner, step
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # -- restore ---------------------------------------------------------------------------------
+    def plan_restore(self) -> PeerPlanResult:
+        """Collective: find (and fetch, if needed) the newest step every rank can obtain."""
+        return self.recovery.recover()
+
+    def load(self, restore: PeerRestore, state: TrainingState) -> None:
+        payload = torch.load(restore.path / STATE_FILE, map_location="cpu", weights_only=True)
+        apply_trainer_state(state, payload["trainer"], restore.path / STATE_FILE)
+        state.model.load_state_dict(payload["model"], strict=True)
+        state.optimizer.load_local_state_dict(payload["optimizer"])
+        restore_rank_rng(payload["rank_state"]["rng"])
+
+    def step_bytes(self, step: int) -> int:
+        return dir_size(self.store.step_path(step))

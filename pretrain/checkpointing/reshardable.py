@@ -1,0 +1,173 @@
+"""Reshardable checkpoints: Megatron distributed checkpoints, saved and restored collectively.
+
+A step directory holds:
+
+* ``model/``: a Megatron distributed checkpoint of the model and the optimizer state, both as
+  ShardedTensors keyed to the parameters (loadable at another TP/PP/DP);
+* ``trainer.pt``: step, consumed samples/tokens, LR scheduler, grad scaler, topology, config,
+  code and framework versions, dataset snapshot (rank 0; tensors and plain values only);
+* ``rank-state/rank-NNNNN.pt``: per-rank RNG streams and data cursor;
+* ``manifest.json`` + ``COMMITTED`` from the publish protocol (:mod:`tiering.publish`).
+
+The directory must be visible to every rank (shared storage, or the staging area of the S3 tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
+
+from pretrain.checkpointing.state import (
+    RestoreResult,
+    SaveResult,
+    TrainingState,
+    apply_trainer_state,
+    one_line,
+    reseed_after_reshard,
+    restore_rank_rng,
+    step_manifest,
+    trainer_state,
+)
+from pretrain.config import Config
+from pretrain.rank_state import rank_state
+from tiering.collective import Collective
+from tiering.local import LocalTier
+from tiering.publish import PosixStepPublisher
+from tiering.restore import select_newest_verified
+
+log = logging.getLogger(__name__)
+
+FORMAT = "megatron-dist+rank-state/v1"
+
+
+class ReshardableCheckpoints:
+    name = "reshardable"
+
+    def __init__(self, cfg: Config, coll: Collective, attempt: str, directory: str | None = None) -> None:
+        self.cfg = cfg
+        self.coll = coll
+        tier_cfg = cfg.checkpoint.reshardable
+        self.tier = LocalTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
+        self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt)
+        self.attempt = attempt
+        self._last_step_bytes = 0
+        self._warmup = start_writer_warmup()
+
+    def prepare(self) -> None:
+        """At start-up (old world gone): drop temporary directories left by earlier attempts."""
+        if self.coll.rank == 0:
+            for path in self.tier.clean_stale_tmp(self.attempt):
+                log.info("removed unfinished save of an earlier attempt: %s", path)
+        self.coll.barrier()
+
+    def newest_committed(self) -> int | None:
+        """Rank 0's cheap look (no hashing) at the newest committed step, shared with every rank."""
+        steps = self.tier.committed_steps() if self.coll.rank == 0 else None
+        steps = self.coll.broadcast(steps)
+        return steps[0] if steps else None
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, state: TrainingState) -> SaveResult:
+        """Collective. Raises PublishError (on every rank) if the step could not be published."""
+        t0 = time.perf_counter()
+        self._warmup.join()
+        tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)
+        error = None
+        try:
+            self._write(tmp, state)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            free = shutil.disk_usage(tmp.parent).free
+            error = f"{one_line(exc)}; {free / 1e6:.1f} MB free on {tmp.parent}"
+            log.error("rank %d: writing step %d failed: %s", self.coll.rank, state.step, error)
+        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
+        self.publisher.commit(tmp, manifest, local_error=error)
+        self._last_step_bytes = manifest.total_bytes
+        if self.coll.rank == 0:
+            for step in self.tier.apply_retention():
+                log.info("retention: deleted reshardable step %d (keep=%d)", step, self.cfg.checkpoint.reshardable.keep)
+        self.coll.barrier()
+        return SaveResult(
+            self.name, state.step, time.perf_counter() - t0, manifest.total_bytes, self.tier.step_path(state.step)
+        )
+
+    def _write(self, tmp: Path, state: TrainingState) -> None:
+        (tmp / "model").mkdir(exist_ok=True)
+        (tmp / "rank-state").mkdir(exist_ok=True)
+        model_sd = state.model.sharded_state_dict()
+        optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
+        dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, str(tmp / "model"))
+        cursor = state.sampler.cursor(state.consumed_samples)
+        rank_file = tmp / "rank-state" / f"rank-{self.coll.rank:05d}.pt"
+        torch.save(rank_state(self.coll.rank, state.topology, cursor), rank_file)
+        if self.coll.rank == 0:
+            torch.save(trainer_state(state), tmp / "trainer.pt")
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, state: TrainingState) -> RestoreResult | None:
+        """Collective: load the newest verified step into ``state``; None if there is none."""
+        t0 = time.perf_counter()
+        selection = select_newest_verified(self.tier, self.coll)
+        verify_s = time.perf_counter() - t0
+        if selection is None:
+            return None
+        path = self.tier.step_path(selection.step)
+        trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+        apply_trainer_state(state, trainer, path / "trainer.pt")
+        model_sd = state.model.sharded_state_dict()
+        optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
+        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
+        state.model.load_state_dict(loaded["model"], strict=True)
+        state.optimizer.load_sharded_state_dict(loaded["optimizer"])
+        rng_restored = self._restore_rank_state(path, trainer, state)
+        self.coll.barrier()
+        return RestoreResult(
+            self.name, selection.step, time.perf_counter() - t0, verify_s, rng_restored, selection.rejected, path
+        )
+
+    def _restore_rank_state(self, path: Path, trainer: dict, state: TrainingState) -> bool:
+        """Per-rank RNG when the topology is unchanged; otherwise a deterministic re-seed."""
+        rank_file = path / "rank-state" / f"rank-{self.coll.rank:05d}.pt"
+        if trainer["topology"] == state.topology and rank_file.is_file():
+            restore_rank_rng(torch.load(rank_file, map_location="cpu", weights_only=True)["rng"])
+            return True
+        if self.coll.rank == 0:
+            log.warning(
+                "topology changed (%s -> %s): model, optimizer and data cursor are resharded; per-rank "
+                "RNG streams are re-seeded from (train.seed, step)",
+                trainer["topology"],
+                state.topology,
+            )
+        reseed_after_reshard(self.cfg, state.step, self.coll.rank)
+        return False
+
+
+_warmup_lock = threading.Lock()
+_warmup_thread: threading.Thread | None = None
+
+
+def start_writer_warmup() -> threading.Thread:
+    """Start Megatron's checkpoint-writer Manager once per process, in the background.
+
+    Megatron's file writer starts a spawn-context multiprocessing Manager on its first save (~2.5 s
+    here); warming it at start-up keeps that off the step. One thread per process: two concurrent
+    first calls would race on Megatron's unguarded module global.
+    """
+    global _warmup_thread
+    with _warmup_lock:
+        if _warmup_thread is None:
+            _warmup_thread = threading.Thread(target=_warm_up_writer, name="ckpt-writer-warmup", daemon=True)
+            _warmup_thread.start()
+        return _warmup_thread
+
+
+def _warm_up_writer() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue()

@@ -1,0 +1,170 @@
+"""The training state a checkpoint holds, and the pieces every checkpoint format shares."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.config import Config
+from pretrain.data.dataset import GlobalBatchSampler
+from pretrain.optim import TrainOptimizer
+from pretrain.rank_state import restore_rng, seed_everything
+from pretrain.versions import code_version, framework_versions
+from tiering.manifest import Manifest
+from tiering.publish import manifest_for
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# Model fields that must match for a checkpoint to load at all (parallelism may differ).
+ARCH_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "seq_length",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "position_embedding",
+    "normalization",
+    "swiglu",
+    "untie_embeddings",
+)
+
+
+class IncompatibleCheckpoint(RuntimeError):
+    """The newest verified checkpoint belongs to a different model; refusing to load it."""
+
+
+@dataclass
+class TrainingState:
+    """Everything the loop mutates; every checkpoint format saves and restores all of it."""
+
+    cfg: Config
+    model: torch.nn.Module  # the unwrapped GPTModel chunk
+    optimizer: TrainOptimizer
+    scheduler: Any  # OptimizerParamScheduler
+    sampler: GlobalBatchSampler
+    topology: dict[str, int]
+    dataset_snapshot: str
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SaveResult:
+    tier: str
+    step: int
+    seconds: float
+    bytes: int
+    path: Path
+    under_replicated: list[int] = field(default_factory=list)
+    replication_seconds: float = 0.0
+
+
+@dataclass
+class RestoreResult:
+    tier: str
+    step: int
+    seconds: float
+    verify_seconds: float
+    rng_restored: bool
+    rejected: list[tuple[int, str]]
+    path: Path
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def trainer_state(state: TrainingState) -> dict[str, Any]:
+    """Counters, schedule, topology, config and versions: tensors and plain values only."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": state.step,
+        "consumed_samples": state.consumed_samples,
+        "consumed_tokens": state.consumed_tokens,
+        "scheduler": state.scheduler.state_dict(),
+        "grad_scaler": None,  # fp32/bf16 training uses no loss scaling
+        "topology": dict(state.topology),
+        "config": state.cfg.to_dict(),
+        "code_version": code_version(),
+        "dataset_snapshot": state.dataset_snapshot,
+        "extra": dict(state.extra),
+    }
+
+
+def apply_trainer_state(state: TrainingState, trainer: dict[str, Any], path: Path) -> None:
+    check_compatible(state.cfg, trainer, path)
+    state.scheduler.load_state_dict(trainer["scheduler"])
+    state.step = trainer["step"]
+    state.consumed_samples = trainer["consumed_samples"]
+    state.consumed_tokens = trainer["consumed_tokens"]
+    state.extra = dict(trainer.get("extra", {}))
+    if trainer["dataset_snapshot"] != state.dataset_snapshot:
+        log.warning(
+            "dataset snapshot changed since step %d (%s -> %s): the data order is not the one the "
+            "checkpoint was trained on",
+            state.step,
+            trainer["dataset_snapshot"],
+            state.dataset_snapshot,
+        )
+
+
+def check_compatible(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
+    saved = trainer["config"]["model"]
+    now = cfg.to_dict()["model"]
+    diff = [k for k in ARCH_KEYS if saved.get(k) != now.get(k)]
+    if diff:
+        key = diff[0]
+        raise IncompatibleCheckpoint(
+            f"{path}: checkpoint has model.{key}={saved.get(key)!r} but the config says {now.get(key)!r}; "
+            "fix: use the run's original model config or a new run.id"
+        )
+
+
+def reseed_after_reshard(cfg: Config, step: int, rank: int) -> None:
+    """Per-rank RNG streams cannot be carried to another topology: re-seed deterministically."""
+    seed_everything(cfg.train.seed + 7919 * step + rank)
+
+
+def restore_rank_rng(rng: dict[str, Any]) -> None:
+    restore_rng(rng)
+
+
+def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **extra: Any) -> Manifest:
+    return manifest_for(
+        cfg.run.id,
+        state.step,
+        state.topology["world_size"],
+        {k: v for k, v in state.topology.items() if k != "world_size"},
+        framework=framework_versions(),
+        code_version=code_version(),
+        dataset_snapshot=state.dataset_snapshot,
+        format=fmt,
+        extra={
+            "consumed_samples": state.consumed_samples,
+            "consumed_tokens": state.consumed_tokens,
+            "attempt": attempt,
+            **extra,
+        },
+    )
+
+
+def one_line(exc: BaseException) -> str:
+    """One line naming the root cause; unwraps torch's per-rank CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner)
+        if isinstance(inner, tuple):  # Megatron's async writer reports (exception, traceback frames)
+            inner = inner[0]
+        if isinstance(inner, BaseException):
+            exc = inner
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

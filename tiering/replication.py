@@ -1,0 +1,119 @@
+"""Tier 2: every rank's published local step is copied to peers in other failure domains.
+
+Layout on each node's local root (``<checkpoint.local.dir>/<run id>/``):
+
+    ranks/rank-00003/steps/step-000000120/      primary copies written by rank 3 on this node
+    replicas/rank-00001/steps/step-000000120/   replicas this node holds for rank 1
+
+A replica is published (``COMMITTED``) only after every received byte matched the owner's
+manifest; one that does not match is discarded, never served.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiering.collective import Collective
+from tiering.errors import PublishError, VerificationError
+from tiering.local import LocalTier
+from tiering.publish import publish_received, read_step_payload
+from tiering.transport import StepPayload, Transport
+
+log = logging.getLogger(__name__)
+
+
+def primary_store(node_root: Path, owner: int, run_id: str, keep: int) -> LocalTier:
+    return LocalTier(node_root / "ranks", f"rank-{owner:05d}", keep, run_id=run_id, name="local")
+
+
+def replica_store(node_root: Path, owner: int, run_id: str, keep: int) -> LocalTier:
+    return LocalTier(node_root / "replicas", f"rank-{owner:05d}", keep, run_id=run_id, name="peer")
+
+
+@dataclass
+class ReplicationReport:
+    step: int
+    under_replicated: list[int] = field(default_factory=list)  # owners missing at least one replica
+    failures: dict[int, str] = field(default_factory=dict)  # owner -> first reason (any holder)
+
+
+class PeerReplicator:
+    """Sends this rank's published step to its holders and receives the steps it holds."""
+
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        holders: dict[int, list[int]],
+        node_root: Path,
+        transport: Transport,
+        coll: Collective,
+        keep: int,
+        attempt: str,
+        before_accept: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.holders = holders
+        self.node_root = node_root
+        self.transport = transport
+        self.coll = coll
+        self.keep = keep
+        self.attempt = attempt
+        self.before_accept = before_accept  # fault-injection hook: (owner, step)
+        self.owners_held = sorted(o for o, hs in holders.items() if rank in hs)
+
+    def replicate(self, step: int, published: Path | None) -> ReplicationReport:
+        """Collective over every rank. ``published`` is this rank's step directory, or None if its save failed."""
+        blob = None
+        if published is not None:
+            raw, files = read_step_payload(published)
+            header = {"run_id": self.run_id, "step": step, "owner": self.rank, "kind": "replica"}
+            blob = StepPayload(header, raw, files).encode()
+        outgoing = {holder: blob for holder in self.holders.get(self.rank, [])}
+        received, errors = self.transport.exchange(outgoing, self.owners_held)
+        outcomes: dict[int, str] = {}
+        for owner in self.owners_held:
+            if owner in errors:
+                outcomes[owner] = f"transfer from rank {owner} failed: {errors[owner]}"
+            elif owner not in received:
+                outcomes[owner] = f"rank {owner} had no published step {step} to send"
+            else:
+                outcomes[owner] = self._accept(owner, step, received[owner])
+        try:
+            gathered = self.coll.all_gather(outcomes)
+        except Exception as exc:  # a peer is gone; the launcher restarts the group
+            log.error("replication status of step %d unknown: %s", step, exc)
+            gathered = [outcomes]
+        report = ReplicationReport(step)
+        for per_holder in gathered:
+            for owner, outcome in per_holder.items():
+                if outcome != "ok":
+                    report.failures.setdefault(int(owner), outcome)
+        report.under_replicated = sorted(report.failures)
+        for owner in self.owners_held:
+            replica_store(self.node_root, owner, self.run_id, self.keep).apply_retention()
+        return report
+
+    def _accept(self, owner: int, step: int, blob: bytes) -> str:
+        try:
+            payload = StepPayload.decode(blob)
+            head = payload.header
+            if head.get("run_id") != self.run_id or head.get("step") != step or head.get("owner") != owner:
+                raise VerificationError(
+                    f"replicas/rank-{owner:05d}",
+                    f"replica header claims run {head.get('run_id')!r} step "
+                    f"{head.get('step')} owner {head.get('owner')}, expected {self.run_id!r} step {step} owner {owner}",
+                    "the replica is discarded",
+                )
+            if self.before_accept is not None:
+                self.before_accept(owner, step)
+            store = replica_store(self.node_root, owner, self.run_id, self.keep)
+            publish_received(store.layout, payload.manifest_raw, payload.files, self.attempt, self.run_id, step, owner)
+            return "ok"
+        except (VerificationError, PublishError, OSError, ValueError) as exc:
+            log.error("replica of rank %d step %d rejected: %s", owner, step, exc)
+            return f"replica rejected: {exc}"
