@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from pretrain.config import ConfigError, load_config
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns about a deprecated pynvml on every import: noise for CLI users.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     work = Path(workdir).resolve()
     if work.exists():
         shutil.rmtree(work)
-    (work / "tmp").mkdir(parents=True)
+    work.mkdir(parents=True)
     data_prefix = work / "data" / "corpus"
     print(f"[demo] preparing a synthetic corpus at {data_prefix}", flush=True)
     subprocess.run(
@@ -65,7 +66,8 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     ft_path.write_text(yaml.safe_dump(FT_CONFIG))
     cmd = ft_launcher_command(cfg_path, nproc=2, ft_config=ft_path, max_restarts=3)
     print("[demo] " + " ".join(cmd), flush=True)
-    env = {**os.environ, "TMPDIR": str(work / "tmp"), "PYTHONWARNINGS": "ignore"}
+    # NVRx puts unix sockets under TMPDIR: keep the path short (AF_UNIX allows ~108 bytes).
+    env = {**os.environ, "TMPDIR": tempfile.mkdtemp(prefix="rp-demo-", dir="/tmp"), "PYTHONWARNINGS": "ignore"}
     t0 = time.perf_counter()
     with open(work / "launcher.log", "w") as logf:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)

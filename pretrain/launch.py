@@ -14,13 +14,15 @@ def ft_launcher_command(
     max_restarts: int = 3,
     overrides: list[str] | tuple[str, ...] = (),
     rdzv_port: int | None = None,
+    nnodes: int = 1,
+    rdzv_host: str = "127.0.0.1",
 ) -> list[str]:
-    """Single-node command; the multi-node entrypoints (Slurm, Kubernetes) add c10d rendezvous."""
+    """``ft_launcher`` for one node: standalone, or (``rdzv_port``) c10d rendezvous across ``nnodes`` agents."""
     launcher = shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     cmd = [
         launcher,
-        "--standalone" if rdzv_port is None else f"--rdzv-endpoint=127.0.0.1:{rdzv_port}",
-        "--nnodes=1",
+        "--standalone" if rdzv_port is None else f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
+        f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
@@ -30,7 +32,7 @@ def ft_launcher_command(
         f"--ft-cfg-path={ft_config}",
     ]
     if rdzv_port is not None:
-        cmd.insert(2, "--rdzv-backend=c10d")
+        cmd[2:2] = ["--rdzv-backend=c10d", "--rdzv-id=resilient-pretrain"]
     cmd += ["-m", "pretrain", "train", "--config", str(config)]
     for item in overrides:
         cmd += ["--set", item]

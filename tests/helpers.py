@@ -20,10 +20,11 @@ FT_CPU = REPO / "configs" / "ft-cpu.yaml"
 
 
 def job_env(tmp: Path) -> dict[str, str]:
-    """Each job gets its own TMPDIR: NVRx puts its unix sockets there."""
-    sock_dir = tmp / "sock"
-    sock_dir.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "TMPDIR": str(sock_dir), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    """Each job gets its own short TMPDIR: NVRx puts its unix sockets there (108-byte path limit)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    sock_dir = tempfile.mkdtemp(prefix="rp-", dir="/tmp")
+    (tmp / "sockets").write_text(sock_dir)
+    return {**os.environ, "TMPDIR": sock_dir, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
@@ -119,3 +120,51 @@ def full_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_node_launch(
+    tmp: Path, overrides: list[str], max_restarts: int, timeout: int = 420, nproc: int = 2
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Two ft_launcher agents on this machine as two simulated nodes (c10d rendezvous).
+
+    Node ``node-a`` is failure domain ``rack-a`` with local root ``tmp/local-node-a``; likewise b.
+    """
+    from pretrain.launch import ft_launcher_command
+
+    port = free_port()
+    procs = {}
+    for node in ("node-a", "node-b"):
+        node_overrides = [*overrides, f"checkpoint.local.dir={tmp / f'local-{node}'}"]
+        cmd = ft_launcher_command(
+            TINY,
+            nproc=nproc,
+            ft_config=FT_CPU,
+            max_restarts=max_restarts,
+            overrides=node_overrides,
+            rdzv_port=port,
+            nnodes=2,
+        )
+        env = job_env(tmp / node)
+        env.update(NODE_NAME=node, FAILURE_DOMAIN=node.replace("node", "rack"))
+        procs[node] = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp
+        )
+    out = {}
+    for node, proc in procs.items():
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        (tmp / f"{node}.log").write_text(stdout)
+        out[node] = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
+    return out

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from tiering.errors import VerificationError
@@ -44,8 +45,59 @@ def _run_dirs(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if (p / "steps").is_dir()) if path.is_dir() else []
 
 
+def _is_node_root(path: Path) -> bool:
+    return (path / "ranks").is_dir() or (path / "replicas").is_dir()
+
+
+def _ls_node_roots(roots: list[Path], factor: int, as_json: bool) -> int:
+    """Per-rank tiers 1-2: per step, which ranks have primary and replica copies, and whether they verify."""
+    from tiering.peer_restore import scan_node_root
+
+    merged: dict[int, dict[str, dict[int, list[str]]]] = {}
+    for root in roots:
+        for step, kinds in scan_node_root(root, root.name).items():
+            for kind, owners in kinds.items():
+                for owner, status in owners.items():
+                    merged.setdefault(step, {}).setdefault(kind, {}).setdefault(owner, []).append(
+                        f"{root.parent.name}/{root.name}: {status}"
+                    )
+    rows = []
+    for step in sorted(merged, reverse=True):
+        kinds = merged[step]
+        owners = sorted({o for per in kinds.values() for o in per})
+        good = {o: sum(s.endswith(": ok") for k in kinds.values() for s in k.get(o, [])) for o in owners}
+        under = [o for o in owners if good[o] < factor]
+        bad = [s for k in kinds.values() for lst in k.values() for s in lst if not s.endswith(": ok")]
+        rows.append(
+            {
+                "step": step,
+                "primary": {o: kinds.get("primary", {}).get(o, []) for o in owners},
+                "replica": {o: kinds.get("replica", {}).get(o, []) for o in owners},
+                "verified_copies": good,
+                "under_replicated": under,
+                "bad": bad,
+            }
+        )
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"per-rank local tier: {', '.join(map(str, roots))} (replication factor {factor})")
+    print(f"  {'STEP':>10}  {'PRIMARY (rank:copies ok)':<28}  {'REPLICA':<28}  STATUS")
+    for row in rows:
+        prim = " ".join(f"{o}:{sum(x.endswith(': ok') for x in v)}" for o, v in row["primary"].items() if v) or "-"
+        repl = " ".join(f"{o}:{sum(x.endswith(': ok') for x in v)}" for o, v in row["replica"].items() if v) or "-"
+        status = "ok" if not row["under_replicated"] else f"UNDER-REPLICATED ranks {row['under_replicated']}"
+        if row["bad"]:
+            status += f"; {len(row['bad'])} copies fail verification: {row['bad'][0]}"
+        print(f"  {row['step']:>10}  {prim:<28}  {repl:<28}  {status}")
+    return 0
+
+
 def _ls(args: argparse.Namespace) -> int:
-    root = Path(args.dir)
+    roots = [Path(d) for d in args.dir]
+    if all(_is_node_root(r) for r in roots):
+        return _ls_node_roots(roots, args.factor, args.json)
+    root = roots[0]
     runs = _run_dirs(root)
     if not runs:
         print(f"tiering ls: {root}: no run directory (expected <dir>/steps/ or <dir>/<run>/steps/)", file=sys.stderr)
@@ -129,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list steps with state, size, age and verification")
-    ls.add_argument("dir", help="a run directory (<root>/<run id>) or a tier root")
+    ls.add_argument(
+        "dir",
+        nargs="+",
+        help="a run directory (<root>/<run id>), a tier root, or the per-rank local "
+        "roots (<checkpoint.local.dir>/<run id>) of one or more nodes",
+    )
+    ls.add_argument("--factor", type=int, default=2, help="copies each rank's step should have (tiers 1-2)")
     ls.add_argument("--no-verify", action="store_true", help="skip hashing (structure only)")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_ls)
@@ -141,5 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns about a deprecated pynvml on every import: noise for CLI users.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -85,9 +85,10 @@ class PeerReplicator:
                 outcomes[owner] = self._accept(owner, step, received[owner])
         try:
             gathered = self.coll.all_gather(outcomes)
-        except Exception as exc:  # a peer is gone; the launcher restarts the group
-            log.error("replication status of step %d unknown: %s", step, exc)
-            gathered = [outcomes]
+        except Exception as exc:  # a peer is gone (the launcher restarts the group): assume the worst
+            reason = f"replication of step {step} unconfirmed, a peer was lost: {str(exc).splitlines()[0]}"
+            log.error("step %d is under-replicated: %s", step, reason)
+            gathered = [outcomes, {owner: reason for owner in self.holders}]
         report = ReplicationReport(step)
         for per_holder in gathered:
             for owner, outcome in per_holder.items():
