@@ -20,7 +20,7 @@ from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.layout import parse_step_name
 from tiering.local import LocalTier
-from tiering.publish import publish_received, read_step_payload
+from tiering.publish import publish_received
 from tiering.replication import primary_store, replica_store
 from tiering.transport import StepPayload, Transport
 from tiering.verify import read_manifest
@@ -189,12 +189,11 @@ class PeerRecovery:
         result: PeerPlanResult,
         t0: float,
     ) -> PeerRestore | None:
-        outgoing: dict[int, bytes | None] = {}
+        outgoing: dict[int, StepPayload | None] = {}
         for owner, (node, kind) in plan.items():
             if node != nodes[owner] and serving[node] == self.rank:
-                raw, files = read_step_payload(self._store((kind, owner)).step_path(step))
                 header = {"run_id": self.run_id, "step": step, "owner": owner, "kind": "restore"}
-                outgoing[owner] = StepPayload(header, raw, files).encode()
+                outgoing[owner] = StepPayload.from_step_dir(self._store((kind, owner)).step_path(step), header)
         node, kind = plan[self.rank]
         incoming = [serving[node]] if node != self.node else []
         received, errors = self.transport.exchange(outgoing, incoming)
@@ -207,11 +206,11 @@ class PeerRecovery:
                     f"rank {self.rank}: fetching step {step} from rank {src} failed: {errors.get(src, 'nothing sent')}"
                 )
             else:
-                payload = StepPayload.decode(received[src])
+                payload = received[src]
                 store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
                 try:
                     publish_received(
-                        store.layout, payload.manifest_raw, payload.files, self.attempt, self.run_id, step, self.rank
+                        store.layout, payload.manifest_raw, payload.files(), self.attempt, self.run_id, step, self.rank
                     )
                     path = store.step_path(step)
                 except (VerificationError, PublishError, OSError) as exc:

@@ -154,7 +154,7 @@ def manifest_for(run_id: str, step: int, world_size: int, parallelism: dict[str,
 def publish_received(
     layout: RunLayout,
     manifest_raw: bytes,
-    files: list[tuple[str, bytes]],
+    files: list[tuple[str, bytes | memoryview]],
     attempt: str,
     expect_run_id: str,
     expect_step: int,
@@ -225,10 +225,3 @@ def publish_received(
     with contextlib.suppress(OSError):  # latest.json is only a hint
         write_latest(layout, expect_step)
     return manifest
-
-
-def read_step_payload(step_dir: Path) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """The manifest bytes and listed files of a published step, for sending to a peer."""
-    raw = (step_dir / MANIFEST_NAME).read_bytes()
-    manifest = Manifest.from_json(raw, step_dir / MANIFEST_NAME)
-    return raw, [(f.path, (step_dir / f.path).read_bytes()) for f in manifest.files]

@@ -19,7 +19,7 @@ from pathlib import Path
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.local import LocalTier
-from tiering.publish import publish_received, read_step_payload
+from tiering.publish import publish_received
 from tiering.transport import StepPayload, Transport
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,11 @@ class PeerReplicator:
 
     def replicate(self, step: int, published: Path | None) -> ReplicationReport:
         """Collective over every rank. ``published`` is this rank's step directory, or None if its save failed."""
-        blob = None
+        payload = None
         if published is not None:
-            raw, files = read_step_payload(published)
             header = {"run_id": self.run_id, "step": step, "owner": self.rank, "kind": "replica"}
-            blob = StepPayload(header, raw, files).encode()
-        outgoing = {holder: blob for holder in self.holders.get(self.rank, [])}
+            payload = StepPayload.from_step_dir(published, header)
+        outgoing = {holder: payload for holder in self.holders.get(self.rank, [])}
         received, errors = self.transport.exchange(outgoing, self.owners_held)
         outcomes: dict[int, str] = {}
         for owner in self.owners_held:
@@ -99,9 +98,8 @@ class PeerReplicator:
             replica_store(self.node_root, owner, self.run_id, self.keep).apply_retention()
         return report
 
-    def _accept(self, owner: int, step: int, blob: bytes) -> str:
+    def _accept(self, owner: int, step: int, payload: StepPayload) -> str:
         try:
-            payload = StepPayload.decode(blob)
             head = payload.header
             if head.get("run_id") != self.run_id or head.get("step") != step or head.get("owner") != owner:
                 raise VerificationError(
@@ -113,7 +111,9 @@ class PeerReplicator:
             if self.before_accept is not None:
                 self.before_accept(owner, step)
             store = replica_store(self.node_root, owner, self.run_id, self.keep)
-            publish_received(store.layout, payload.manifest_raw, payload.files, self.attempt, self.run_id, step, owner)
+            publish_received(
+                store.layout, payload.manifest_raw, payload.files(), self.attempt, self.run_id, step, owner
+            )
             return "ok"
         except (VerificationError, PublishError, OSError, ValueError) as exc:
             log.error("replica of rank %d step %d rejected: %s", owner, step, exc)

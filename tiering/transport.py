@@ -1,18 +1,19 @@
 """Moving step files between ranks over torch.distributed with bounded waits.
 
-A step travels as one blob: an 8-byte header length, a JSON header (owner, step, run id, the
-owner's exact ``manifest.json`` bytes, file names and sizes) and the file bytes. Every pair of
-ranks that may talk exchanges a length first (0 means "nothing this time"), so a rank whose save
-failed never leaves its peer waiting. Every wait has a timeout: a dead or hung peer costs at most
-``timeout_s``, never a hang.
+A step travels as a JSON header (owner, step, run id, the owner's exact ``manifest.json`` bytes,
+file names and sizes) and one contiguous byte tensor holding every file. Files are read straight
+into that tensor and received into one preallocated tensor, so the bytes are not copied on the
+way. Every pair of ranks that may talk exchanges sizes first (0 means "nothing this time"), so a
+rank whose save failed never leaves its peer waiting. Every wait has a timeout: a dead or hung
+peer costs at most ``timeout_s``, never a hang.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,86 +25,109 @@ CHUNK = 64 * 1024 * 1024
 class StepPayload:
     header: dict[str, Any]
     manifest_raw: bytes
-    files: list[tuple[str, bytes]] = field(default_factory=list)
-
-    def encode(self) -> bytes:
-        head = {
-            **self.header,
-            "manifest": self.manifest_raw.decode("utf-8"),
-            "files": [[name, len(data)] for name, data in self.files],
-        }
-        head_raw = json.dumps(head).encode()
-        return b"".join([struct.pack("<Q", len(head_raw)), head_raw, *(data for _, data in self.files)])
+    names: list[tuple[str, int]]  # (relative path, size) in data order
+    data: torch.Tensor  # uint8, every file back to back
 
     @classmethod
-    def decode(cls, blob: bytes) -> StepPayload:
-        (head_len,) = struct.unpack("<Q", blob[:8])
-        head = json.loads(blob[8 : 8 + head_len].decode("utf-8"))
-        offset = 8 + head_len
-        files = []
-        for name, size in head.pop("files"):
-            files.append((name, blob[offset : offset + size]))
+    def from_step_dir(cls, step_dir: Path, header: dict[str, Any]) -> StepPayload:
+        from tiering.manifest import MANIFEST_NAME, Manifest
+
+        raw = (step_dir / MANIFEST_NAME).read_bytes()
+        manifest = Manifest.from_json(raw, step_dir / MANIFEST_NAME)
+        names = [(f.path, f.bytes) for f in manifest.files]
+        data = torch.empty(sum(size for _, size in names), dtype=torch.uint8)
+        view = memoryview(data.numpy())
+        offset = 0
+        for rel, size in names:
+            with open(step_dir / rel, "rb", buffering=0) as fh:
+                got = 0
+                while got < size:
+                    n = fh.readinto(view[offset + got : offset + size])
+                    if not n:
+                        raise OSError(f"{step_dir / rel}: shorter than its manifest entry")
+                    got += n
             offset += size
-        if offset != len(blob):
-            raise ValueError(f"payload length {len(blob)} does not match its header ({offset})")
-        manifest_raw = head.pop("manifest").encode("utf-8")
-        return cls(head, manifest_raw, files)
+        return cls(header, raw, names, data)
 
+    def files(self) -> list[tuple[str, memoryview]]:
+        view = memoryview(self.data.numpy())
+        out, offset = [], 0
+        for rel, size in self.names:
+            out.append((rel, view[offset : offset + size]))
+            offset += size
+        return out
 
-class TransferError(RuntimeError):
-    pass
+    def header_bytes(self) -> bytes:
+        return json.dumps({**self.header, "manifest": self.manifest_raw.decode("utf-8"), "files": self.names}).encode()
+
+    @classmethod
+    def from_wire(cls, header_raw: bytes, data: torch.Tensor) -> StepPayload:
+        head = json.loads(header_raw.decode("utf-8"))
+        names = [(str(n), int(s)) for n, s in head.pop("files")]
+        if sum(s for _, s in names) != data.numel():
+            raise ValueError(f"payload has {data.numel()} bytes, its header lists {sum(s for _, s in names)}")
+        return cls(head, head.pop("manifest").encode("utf-8"), names, data)
 
 
 class Transport:
-    """Point-to-point blob exchange on a (gloo) process group that contains every rank."""
+    """Point-to-point step exchange on a (gloo) process group that contains every rank."""
 
     def __init__(self, group: Any, timeout_s: float) -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
     def exchange(
-        self, outgoing: dict[int, bytes | None], incoming: list[int]
-    ) -> tuple[dict[int, bytes], dict[int, str]]:
-        """Send a blob (or None: nothing) to each peer in ``outgoing``; receive from each in ``incoming``.
+        self, outgoing: dict[int, StepPayload | None], incoming: list[int]
+    ) -> tuple[dict[int, StepPayload], dict[int, str]]:
+        """Send a payload (or None: nothing) to each peer in ``outgoing``; receive from each in ``incoming``.
 
-        Returns the blobs received (peers that sent nothing are absent) and one error line per
+        Returns the payloads received (peers that sent nothing are absent) and one error line per
         peer that failed or timed out.
         """
         import torch.distributed as dist
 
         errors: dict[int, str] = {}
-        lengths = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-        works = [(src, dist.irecv(lengths[src], src=src, group=self.group, tag=1)) for src in incoming]
-        works += [
-            (
-                dst,
-                dist.isend(
-                    torch.tensor([len(blob) if blob else 0], dtype=torch.int64), dst=dst, group=self.group, tag=1
-                ),
-            )
-            for dst, blob in outgoing.items()
-        ]
+        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in incoming}
+        heads = {dst: p.header_bytes() if p is not None else b"" for dst, p in outgoing.items()}
+        works = [(src, dist.irecv(sizes[src], src=src, group=self.group, tag=1)) for src in incoming]
+        for dst, payload in outgoing.items():
+            size = torch.tensor([len(heads[dst]), payload.data.numel() if payload is not None else 0])
+            works.append((dst, dist.isend(size, dst=dst, group=self.group, tag=1)))
         self._wait(works, errors)
-        buffers: dict[int, list[torch.Tensor]] = {}
+
+        recv_head: dict[int, torch.Tensor] = {}
+        recv_data: dict[int, torch.Tensor] = {}
         works = []
         for src in incoming:
-            size = int(lengths[src].item())
-            if src in errors or size == 0:
+            head_len, data_len = (int(x) for x in sizes[src].tolist())
+            if src in errors or head_len == 0:
                 continue
-            buffers[src] = [torch.empty(min(CHUNK, size - off), dtype=torch.uint8) for off in range(0, size, CHUNK)]
+            recv_head[src] = torch.empty(head_len, dtype=torch.uint8)
+            recv_data[src] = torch.empty(data_len, dtype=torch.uint8)
+            works.append((src, dist.irecv(recv_head[src], src=src, group=self.group, tag=2)))
             works += [
-                (src, dist.irecv(buf, src=src, group=self.group, tag=2 + i)) for i, buf in enumerate(buffers[src])
+                (src, dist.irecv(chunk, src=src, group=self.group, tag=3 + i))
+                for i, chunk in enumerate(_chunks(recv_data[src]))
             ]
-        for dst, blob in outgoing.items():
-            if not blob or dst in errors:
+        for dst, payload in outgoing.items():
+            if payload is None or dst in errors:
                 continue
-            view = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            head = torch.frombuffer(bytearray(heads[dst]), dtype=torch.uint8)
+            works.append((dst, dist.isend(head, dst=dst, group=self.group, tag=2)))
             works += [
-                (dst, dist.isend(view[off : off + CHUNK], dst=dst, group=self.group, tag=2 + i))
-                for i, off in enumerate(range(0, len(blob), CHUNK))
+                (dst, dist.isend(chunk, dst=dst, group=self.group, tag=3 + i))
+                for i, chunk in enumerate(_chunks(payload.data))
             ]
         self._wait(works, errors)
-        received = {src: b"".join(bytes(b.numpy()) for b in bufs) for src, bufs in buffers.items() if src not in errors}
+
+        received = {}
+        for src in recv_head:
+            if src in errors:
+                continue
+            try:
+                received[src] = StepPayload.from_wire(recv_head[src].numpy().tobytes(), recv_data[src])
+            except (ValueError, KeyError, UnicodeDecodeError) as exc:
+                errors[src] = f"malformed payload: {exc}"
         return received, errors
 
     def _wait(self, works: list[tuple[int, Any]], errors: dict[int, str]) -> None:
@@ -115,3 +139,7 @@ class Transport:
                     errors[peer] = f"timed out after {self.timeout.total_seconds():.0f}s"
             except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
                 errors[peer] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _chunks(data: torch.Tensor) -> list[torch.Tensor]:
+    return [data.narrow(0, off, min(CHUNK, data.numel() - off)) for off in range(0, data.numel(), CHUNK)]
