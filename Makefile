@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 # install their own torch first; the project itself only requires torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test test-fast lint format bench clean
+.PHONY: venv sysdeps demo test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Real services the tests run: Ceph RADOS Gateway (S3). Installed with apt when missing (CI runs as root).
+sysdeps:
+	scripts/install-system-deps.sh
+
 demo: venv
 	PYTHONWARNINGS=ignore $(BIN)/pretrain demo --workdir runs/demo
 
@@ -26,7 +30,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: venv lint
+test: venv sysdeps lint
 	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q tests
 
 test-fast: venv

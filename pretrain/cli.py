@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from pretrain.config import ConfigError, load_config
+from tiering.remote import LeaseError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -84,4 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except LeaseError as exc:
+        print(f"lease error: {exc}", file=sys.stderr)
         return 2

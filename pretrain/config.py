@@ -128,10 +128,28 @@ class ReshardableTierConfig:
 
 
 @dataclass
+class S3TierConfig:
+    """Tier 3: reshardable steps promoted to an object store by ``tiering upload``."""
+
+    uri: str | None = None  # s3://bucket/prefix, or file:///path (the same protocol, no server)
+    endpoint_url: str | None = None  # S3-compatible stores (Ceph RGW, MinIO, ...)
+    interval: int | None = None  # steps between promotions (default: checkpoint.reshardable.interval)
+    keep: int = 3
+    milestone_every: int = 0  # also keep every step divisible by this (0: none)
+    concurrency: int = 8
+    multipart_chunk_mb: int = 64
+    checksum_header: bool = False  # also send x-amz-checksum-sha256 (AWS S3; Ceph RGW ignores it)
+    owner: str | None = None  # lease identity (default: RP_RUN_OWNER, else user@host)
+    poll_s: float = 5.0  # uploader --watch polling period
+    retry_max_s: float = 60.0  # uploader backoff cap when the store is unreachable
+
+
+@dataclass
 class CheckpointConfig:
     local: LocalTierConfig = field(default_factory=LocalTierConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     reshardable: ReshardableTierConfig = field(default_factory=ReshardableTierConfig)
+    s3: S3TierConfig = field(default_factory=S3TierConfig)
     load: bool = True
 
 
@@ -394,6 +412,28 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
             )
     if p.sequence_parallel and p.tp == 1:
         fail("parallel.sequence_parallel", "needs tp > 1", "enable tensor parallelism or disable it")
+    s3 = cfg.checkpoint.s3
+    if s3.uri is not None:
+        from tiering.objectstore import split_uri
+
+        try:
+            split_uri(s3.uri)
+        except ValueError as exc:
+            fail("checkpoint.s3.uri", str(exc), "use s3://bucket/prefix or file:///absolute/path")
+        if not cfg.checkpoint.reshardable.enabled:
+            fail(
+                "checkpoint.s3.uri",
+                "the S3 tier promotes reshardable steps, but that tier is disabled",
+                "enable checkpoint.reshardable (it is the staging area)",
+            )
+        if s3.interval is not None and s3.interval < 1:
+            fail("checkpoint.s3.interval", "must be >= 1", "set a positive interval")
+        if s3.keep < 1 or s3.concurrency < 1 or s3.multipart_chunk_mb < 5:
+            fail(
+                "checkpoint.s3.keep",
+                "keep and concurrency must be >= 1, multipart_chunk_mb >= 5 (S3's minimum)",
+                "fix the S3 tier numbers",
+            )
     if cfg.checkpoint.replication.timeout_s <= 0:
         fail("checkpoint.replication.timeout_s", "must be > 0", "give a bound in seconds")
     if not cfg.checkpoint.local.enabled and not cfg.checkpoint.reshardable.enabled:
@@ -405,6 +445,15 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
             f"rank {inj.kill_rank} >= world size {world_size}",
             "pick an existing rank or -1",
         )
+
+
+def s3_owner(cfg: Config) -> str:
+    """The identity that may write this run's S3 prefix."""
+    import getpass
+    import os
+    import socket
+
+    return cfg.checkpoint.s3.owner or os.environ.get("RP_RUN_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:

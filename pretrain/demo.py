@@ -51,6 +51,9 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
         f"checkpoint.local.dir={work / 'ckpt-local'}",
         f"checkpoint.reshardable.dir={work / 'ckpt-reshardable'}",
         "checkpoint.reshardable.interval=20",
+        # Tier 3 on the embedded default: the same object-store protocol in a directory.
+        f"checkpoint.s3.uri=file://{work / 's3'}",
+        "checkpoint.s3.poll_s=1",
         # One machine is one failure domain: replicate to the other rank anyway (development only).
         "checkpoint.replication.allow_same_domain=true",
         "train.steps=60",
@@ -68,8 +71,12 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     print("[demo] " + " ".join(cmd), flush=True)
     # NVRx puts unix sockets under TMPDIR: keep the path short (AF_UNIX allows ~108 bytes).
     env = {**os.environ, "TMPDIR": tempfile.mkdtemp(prefix="rp-demo-", dir="/tmp"), "PYTHONWARNINGS": "ignore"}
+    upload_cmd = [sys.executable, "-m", "tiering", "upload", "--config", str(cfg_path)]
+    print(f"[demo] uploader running: {' '.join(upload_cmd)} --watch", flush=True)
     t0 = time.perf_counter()
-    with open(work / "launcher.log", "w") as logf:
+    with open(work / "launcher.log", "w") as logf, open(work / "uploader.log", "w") as uplog:
+        # The uploader is its own process, as in production: training never waits for the store.
+        uploader = subprocess.Popen([*upload_cmd, "--watch"], stdout=subprocess.DEVNULL, stderr=uplog, env=env)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -77,19 +84,33 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
             if " pretrain: " in line or "fault injection" in line or "restarting" in line.lower():
                 print("  " + line.rstrip(), flush=True)
         rc = proc.wait()
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        uploader.terminate()
+        uploader.wait(timeout=60)
+    flush = subprocess.run([*upload_cmd, "--once"], capture_output=True, text=True, env=env)
+    promoted = (
+        sorted(
+            int(p.name.split("-")[1])
+            for p in (work / "s3" / "demo" / "steps").glob("step-*")
+            if (p / "COMMITTED").is_file()
+        )
+        if (work / "s3" / "demo" / "steps").is_dir()
+        else []
+    )
     report = summarize(work / "runs" / "demo")
     print()
     print(format_report(report))
+    print(f"steps promoted to tier 3    : {promoted} ({work / 's3'}, uploader exit {flush.returncode})")
     print(f"wall time                   : {wall:.1f} s (launcher exit code {rc})")
     (work / "recovery-summary.json").write_text(
-        json.dumps({**report.to_dict(), "wall_seconds": wall, "launcher_exit_code": rc}, indent=1)
+        json.dumps({**report.to_dict(), "wall_seconds": wall, "launcher_exit_code": rc, "s3_steps": promoted}, indent=1)
     )
     ok = (
         rc == 0
         and report.final_step == cfg.train.steps
         and len(report.recoveries) == 1
         and report.recoveries[0].restored_step is not None
+        and cfg.train.steps in promoted
     )
     print(f"[demo] {'OK' if ok else 'FAILED'}: logs in {work}")
     return 0 if ok else 1

@@ -13,3 +13,52 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prefix = tmp_path_factory.mktemp("data") / "corpus"
     build_indexed_dataset(synthetic_documents(1.0, seed=0), prefix)
     return prefix
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A real S3 server for the session: ``S3_ENDPOINT_URL`` (+ AWS_* credentials) if given, else a
+    single-node Ceph RADOS Gateway started on 127.0.0.1 (installed by ``make test``)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.helpers import REPO, free_port
+
+    if os.environ.get("S3_ENDPOINT_URL"):
+        yield os.environ["S3_ENDPOINT_URL"]
+        return
+    if not shutil.which("radosgw"):
+        pytest.skip("no S3 server: install radosgw (scripts/install-system-deps.sh) or set S3_ENDPOINT_URL")
+    for _attempt in range(3):  # a start can fail transiently (e.g. a port taken meanwhile): retry fresh
+        state = tempfile.mkdtemp(prefix="rgw-", dir="/tmp")
+        env = {**os.environ, "STATE_DIR": state, "RGW_PORT": str(free_port()), "MON_PORT": str(free_port())}
+        proc = subprocess.run(
+            [str(REPO / "scripts" / "ceph" / "start-rgw.sh")], env=env, capture_output=True, text=True, timeout=240
+        )
+        if proc.returncode == 0:
+            break
+        logs = subprocess.run(f"tail -n 3 {state}/log/*.log", shell=True, capture_output=True, text=True).stdout
+        subprocess.run([str(REPO / "scripts" / "ceph" / "stop-rgw.sh")], env=env, timeout=60)
+    else:
+        pytest.fail(f"could not start Ceph RGW: {proc.stdout[-500:]} {proc.stderr[-1500:]} {logs[-1500:]}")
+    endpoint = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    try:
+        yield endpoint
+    finally:
+        subprocess.run([str(REPO / "scripts" / "ceph" / "stop-rgw.sh")], env=env, timeout=60)
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str) -> str:
+    import uuid
+
+    import boto3
+
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return name

@@ -37,3 +37,5 @@ def test_demo_recovers_and_prints_summary(tmp_path: Path) -> None:
     (rec,) = summary["recoveries"]
     assert (rec["failure_step"], rec["restored_step"], rec["lost_steps"]) == (37, 30, 6)
     assert rec["restore_seconds"] > 0 and rec["failure_to_first_step_seconds"] > 0
+    assert summary["s3_steps"] == [20, 40, 60], "all three tiers: the uploader promoted the reshardable steps"
+    assert "steps promoted to tier 3" in proc.stdout

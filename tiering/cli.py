@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 import warnings
@@ -175,6 +176,82 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_from_config(args: argparse.Namespace):  # noqa: ANN202
+    from pretrain.config import load_config
+    from tiering.objectstore import open_store
+    from tiering.remote import RemoteTier
+
+    cfg = load_config(args.config, args.set or [])
+    s3 = cfg.checkpoint.s3
+    if not s3.uri:
+        raise SystemExit(
+            f"tiering: {cfg.source}: checkpoint.s3.uri is not set; fix: set it to s3://bucket/prefix or file:///path"
+        )
+    store, prefix = open_store(s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header)
+    return cfg, RemoteTier(store, prefix, cfg.run.id, s3.concurrency)
+
+
+def _upload(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from pretrain.config import s3_owner
+    from tiering.objectstore import ObjectStoreError
+    from tiering.remote import LeaseError
+    from tiering.uploader import Backoff, Uploader
+
+    cfg, remote = _remote_from_config(args)
+    staging = LocalTier(cfg.checkpoint.reshardable.dir, cfg.run.id, cfg.checkpoint.reshardable.keep, name="reshardable")
+    uploader = Uploader(remote, staging, s3_owner(cfg))
+    try:
+        if args.watch:
+            stop = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            uploader.watch(
+                cfg.checkpoint.s3.poll_s, Backoff(cap_s=cfg.checkpoint.s3.retry_max_s), stop, args.max_seconds
+            )
+        else:
+            uploader.run_once()
+    except (LeaseError, ObjectStoreError) as exc:
+        print(f"tiering upload: {exc}", file=sys.stderr)
+        return 1
+    try:
+        pending = uploader.pending()
+    except ObjectStoreError:  # still unreachable: everything staged is pending
+        pending = sorted(staging.committed_steps())
+    print(json.dumps({"uploaded": [u.step for u in uploader.uploaded], "pending": pending}))
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    from tiering.objectstore import ObjectStoreError, open_store
+    from tiering.remote import RemoteTier
+
+    store, prefix = open_store(args.uri, args.endpoint_url)
+    remote = RemoteTier(store, prefix, args.run_id)
+    layout = RunLayout(Path(args.to), args.run_id)
+    try:
+        step, rejected = remote.restore_newest(layout, f"restore-{int(time.time())}")
+    except ObjectStoreError as exc:
+        print(f"tiering restore: {exc}", file=sys.stderr)
+        return 1
+    for bad_step, reason in rejected:
+        print(f"rejected step {bad_step}: {reason}")
+    if step is None:
+        print(f"tiering restore: no verified step of run {args.run_id} at {args.uri}", file=sys.stderr)
+        return 1
+    print(f"restored step {step} -> {layout.step_dir(step)} (verified)")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    cfg, remote = _remote_from_config(args)
+    plan = remote.gc(cfg.checkpoint.s3.keep, cfg.checkpoint.s3.milestone_every, dry_run=not args.apply)
+    mode = "applied" if args.apply else "dry run (pass --apply to act)"
+    print(f"gc {mode}: keep {plan.keep}; marked now {plan.marked_now}; deleted {plan.deleted}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiering", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -195,11 +272,31 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("step_dir")
     v.add_argument("--strict-run", action="store_true", help="also require the manifest's run id to match the path")
     v.set_defaults(func=_verify)
+    up = sub.add_parser("upload", help="promote committed staging steps to checkpoint.s3.uri")
+    up.add_argument("--config", required=True)
+    up.add_argument("--set", action="append", metavar="KEY=VALUE")
+    mode = up.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
+    mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
+    up.add_argument("--max-seconds", type=float, default=None, help="stop watching after this long")
+    up.set_defaults(func=_upload)
+    r = sub.add_parser("restore", help="download the newest verified step from an object store")
+    r.add_argument("uri", help="s3://bucket/prefix or file:///path")
+    r.add_argument("--run-id", required=True)
+    r.add_argument("--to", required=True, help="local tier root; the step lands in <to>/<run id>/steps/")
+    r.add_argument("--endpoint-url", default=None)
+    r.set_defaults(func=_restore)
+    g = sub.add_parser("gc", help="retention on the object store (dry run unless --apply)")
+    g.add_argument("--config", required=True)
+    g.add_argument("--set", action="append", metavar="KEY=VALUE")
+    g.add_argument("--apply", action="store_true")
+    g.set_defaults(func=_gc)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     # torch warns about a deprecated pynvml on every import: noise for CLI users.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return args.func(args)

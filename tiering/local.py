@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tiering.errors import VerificationError
 from tiering.fsio import atomic_write_bytes, dir_size, fsync_dir
-from tiering.layout import RunLayout, parse_step_name, parse_tmp_name
+from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
 from tiering.manifest import COMMITTED_NAME, Manifest
 from tiering.retention import KeepNewest
 from tiering.verify import read_manifest, verify_step
@@ -109,8 +109,38 @@ class LocalTier:
                 removed.append(path)
         return removed
 
+    # -- pins: a step in use by another process (an upload, a restore) is never deleted ----------
+    def pin(self, step: int, holder: str) -> Path:
+        pins = self.layout.run_dir / "pins"
+        pins.mkdir(parents=True, exist_ok=True)
+        path = pins / f"{step_name(step)}.{holder}.{os.getpid()}"
+        path.write_text(str(os.getpid()))
+        return path
+
+    def pinned_steps(self) -> set[int]:
+        pins = self.layout.run_dir / "pins"
+        out: set[int] = set()
+        if not pins.is_dir():
+            return out
+        for path in pins.iterdir():
+            step = parse_step_name(path.name.split(".")[0])
+            pid = path.name.rsplit(".", 1)[-1]
+            if step is None or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                path.unlink(missing_ok=True)  # its holder is gone
+                continue
+            except PermissionError:
+                pass
+            out.add(step)
+        return out
+
     def apply_retention(self, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Delete steps beyond the policy. Structural verification decides which steps count as kept."""
+        """Delete steps beyond the policy. Structural verification decides which steps count as kept;
+        steps pinned by a live process (an upload in progress, say) are kept."""
+        protected = set(protected) | self.pinned_steps()
         verified = []
         for step in self.committed_steps():
             try:

@@ -52,8 +52,9 @@ def replica_holders(identities: list[RankIdentity], factor: int, allow_same_doma
     if factor <= 1:
         return {i.rank: [] for i in identities}
     if world < factor and allow_same_domain:
-        log.warning("checkpoint.replication.factor=%d but the job has %d rank(s): no replicas (development only)",
-                    factor, world)
+        log.warning(
+            "checkpoint.replication.factor=%d but the job has %d rank(s): no replicas (development only)", factor, world
+        )
         return {i.rank: [] for i in identities}
     if world < factor:
         raise PlacementError(

@@ -35,6 +35,33 @@ class TieredCheckpointer:
             self.local = PerRankCheckpoints(cfg, coll, attempt, topology, group, record_event)
         if cfg.checkpoint.reshardable.enabled:
             self.reshardable = ReshardableCheckpoints(cfg, coll, attempt)
+        self.attempt = attempt
+        self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
+
+    def _open_remote(self) -> Any:
+        """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
+        store only warns (the uploader, not the trainer, writes to it)."""
+        from pretrain.config import s3_owner
+        from tiering.objectstore import ObjectStoreError, open_store
+        from tiering.remote import LeaseError, RemoteTier
+
+        s3 = self.cfg.checkpoint.s3
+        store, prefix = open_store(
+            s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header, max_attempts=2
+        )
+        remote = RemoteTier(store, prefix, self.cfg.run.id, s3.concurrency)
+        error = None
+        if self.coll.rank == 0:
+            try:
+                remote.acquire_lease(s3_owner(self.cfg))
+            except LeaseError as exc:
+                error = str(exc)
+            except ObjectStoreError as exc:
+                log.warning("S3 tier unreachable at start (%s); training continues, the uploader retries", exc)
+        error = self.coll.broadcast(error)
+        if error:
+            raise LeaseError(error)
+        return remote
 
     def prepare(self) -> None:
         for tier in (self.local, self.reshardable):
@@ -46,7 +73,12 @@ class TieredCheckpointer:
         tiers = []
         if self.local is not None and (step % self.cfg.checkpoint.local.interval == 0 or final):
             tiers.append(self.local)
-        if self.reshardable is not None and (step % self.cfg.checkpoint.reshardable.interval == 0 or final):
+        s3_interval = self.cfg.checkpoint.s3.interval if self.remote is not None else None
+        if self.reshardable is not None and (
+            step % self.cfg.checkpoint.reshardable.interval == 0
+            or final
+            or (s3_interval is not None and step % s3_interval == 0)
+        ):
             tiers.append(self.reshardable)
         return tiers
 
@@ -67,16 +99,46 @@ class TieredCheckpointer:
                 log.warning(notes[-1])
         peer = plan.restore if plan is not None else None
         newest_reshardable = self.reshardable.newest_committed() if self.reshardable is not None else None
+        from_s3 = self._fetch_from_s3(max(peer.step if peer else -1, newest_reshardable or -1), notes)
+        if from_s3 is not None:
+            newest_reshardable = from_s3
         if peer is not None and (newest_reshardable is None or newest_reshardable <= peer.step):
             return self._load_peer(peer, plan, state, t0, notes)
         if self.reshardable is not None:
             result = self.reshardable.restore(state)
             if result is not None and (peer is None or result.step >= peer.step):
                 result.notes = notes
+                if from_s3 is not None and result.step == from_s3:
+                    result.tier = "s3"
                 return result
         if peer is not None:  # the reshardable tier had nothing newer that verified
             return self._load_peer(peer, plan, state, t0, notes)
         return None
+
+    def _fetch_from_s3(self, best_local: int, notes: list[str]) -> int | None:
+        """Collective: if the object store has a newer committed step than every local tier, rank 0
+        downloads and verifies it into the reshardable tier (falling back to older S3 steps)."""
+        if self.remote is None or self.reshardable is None:
+            return None
+        from tiering.objectstore import ObjectStoreError
+
+        got = None
+        if self.coll.rank == 0:
+            try:
+                committed = self.remote.committed_steps()
+                if committed and committed[0] > best_local:
+                    got, rejected = self.remote.restore_newest(self.reshardable.tier.layout, self.attempt)
+                    for step, reason in rejected:
+                        notes.append(f"S3 step {step} rejected: {reason}")
+                    if got is not None and got <= best_local:
+                        got = None
+                    if got is not None:
+                        notes.append(f"downloaded and verified step {got} from {self.remote.where(self.remote.base)}")
+                        log.info(notes[-1])
+            except ObjectStoreError as exc:
+                notes.append(f"S3 tier unreachable during restore: {exc}")
+                log.warning(notes[-1])
+        return self.coll.broadcast(got)
 
     def _load_peer(self, peer: Any, plan: Any, state: TrainingState, t0: float, notes: list[str]) -> RestoreResult:
         assert self.local is not None

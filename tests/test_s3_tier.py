@@ -1,0 +1,365 @@
+"""Tier 3 on a real S3 server (Ceph RGW on loopback, or S3_ENDPOINT_URL) and on the file:// emulation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+
+from tests.helpers import PYTHON, REPO, TINY, events, free_port, full_tensors, overrides_for, run, torchrun
+from tiering.collective import SingleProcess
+from tiering.layout import RunLayout
+from tiering.manifest import MANIFEST_NAME
+from tiering.objectstore import PreconditionFailed, open_store
+from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.remote import LeaseError, RemoteTier
+from tiering.verify import committed_marker, verify_step
+
+RUN = "t"
+
+
+def make_step(root: Path, step: int, size: int = 300_000, shards: int = 2) -> Path:
+    """A real published staging step with random shards (no training needed)."""
+    layout = RunLayout(root, RUN)
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}")
+    tmp = pub.begin(step)
+    (tmp / "model").mkdir()
+    for i in range(shards):
+        (tmp / "model" / f"__{i}_0.distcp").write_bytes(os.urandom(size))
+    (tmp / "trainer.pt").write_bytes(os.urandom(1000))
+    pub.commit(tmp, manifest_for(RUN, step, 1, {"tp": 1, "pp": 1, "dp": 1}))
+    return layout.step_dir(step)
+
+
+@pytest.fixture(params=["rgw", "file"])
+def remote_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
+    if request.param == "file":
+        return f"file://{tmp_path / 'objects'}", None
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return f"s3://{request.getfixturevalue('bucket')}/ckpt", endpoint
+
+
+def _remote(uri: str, endpoint: str | None) -> RemoteTier:
+    store, prefix = open_store(uri, endpoint, chunk_mb=5)
+    return RemoteTier(store, prefix, RUN)
+
+
+def _tiering(
+    *args: str, env_extra: dict[str, str] | None = None, tmp: Path | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env_extra or {})}
+    return subprocess.run([PYTHON, "-m", "tiering", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def _upload_args(staging: Path, uri: str, endpoint: str | None, *extra: str) -> list[str]:
+    args = [
+        "upload",
+        "--config",
+        str(TINY),
+        "--set",
+        f"run.id={RUN}",
+        "--set",
+        f"checkpoint.reshardable.dir={staging}",
+        "--set",
+        f"checkpoint.s3.uri={uri}",
+        "--set",
+        "checkpoint.s3.multipart_chunk_mb=5",
+    ]
+    if endpoint:
+        args += ["--set", f"checkpoint.s3.endpoint_url={endpoint}"]
+    return args + list(extra)
+
+
+# -- protocol ---------------------------------------------------------------------------------
+
+
+def test_conditional_writes(remote_uri: tuple[str, str | None]) -> None:
+    store, _ = open_store(*remote_uri)
+    etag = store.put_bytes("ckpt/x.json", b"1", if_none_match=True)
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes("ckpt/x.json", b"2", if_none_match=True)
+    new = store.put_bytes("ckpt/x.json", b"2", if_match=etag)
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes("ckpt/x.json", b"3", if_match=etag)  # a second writer with the stale ETag loses
+    assert store.get_bytes("ckpt/x.json") == (b"2", new)
+
+
+def test_upload_then_restore_verifies_every_byte(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    for step in (10, 20):
+        make_step(staging, step, size=6_000_000)  # > 5 MB chunk: multipart
+    out = _tiering(*_upload_args(staging, *remote_uri, "--once"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"uploaded": [10, 20], "pending": []}
+    remote = _remote(*remote_uri)
+    assert remote.committed_steps() == [20, 10] and remote.latest_hint() == 20
+    restored = _tiering(
+        "restore",
+        remote_uri[0],
+        "--run-id",
+        RUN,
+        "--to",
+        str(tmp_path / "back"),
+        *(["--endpoint-url", remote_uri[1]] if remote_uri[1] else []),
+    )
+    assert restored.returncode == 0 and "restored step 20" in restored.stdout, restored.stderr
+    back = tmp_path / "back" / RUN / "steps" / "step-000000020"
+    verify_step(back, expect_run_id=RUN)
+    for rel in ("model/__0_0.distcp", "trainer.pt"):
+        assert (back / rel).read_bytes() == (staging / RUN / "steps" / "step-000000020" / rel).read_bytes()
+
+
+def _corrupt_remote(remote: RemoteTier, step: int, rel: str, data: bytes) -> None:
+    remote.store.put_bytes(remote.step_key(step, rel), data)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["overwritten object", "manifest without COMMITTED", "manifest path with ..", "latest.json names a missing step"],
+)
+def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_path: Path, fault: str) -> None:
+    staging = tmp_path / "staging"
+    for step in (10, 20):
+        make_step(staging, step)
+    remote = _remote(*remote_uri)
+    remote.acquire_lease("me")
+    for step in (10, 20):
+        remote.upload_step(staging / RUN / "steps" / f"step-{step:09d}")
+    expect = 10
+    if fault == "overwritten object":
+        _corrupt_remote(remote, 20, "model/__1_0.distcp", os.urandom(300_000))
+    elif fault == "manifest without COMMITTED":
+        remote.store.delete([remote.step_key(20, "COMMITTED")])
+    elif fault == "manifest path with ..":
+        raw, _ = remote.store.get_bytes(remote.step_key(20, MANIFEST_NAME))
+        body = json.loads(raw)
+        body["files"][0]["path"] = "../step-000000010/trainer.pt"
+        new = json.dumps(body).encode()
+        remote.store.put_bytes(remote.step_key(20, MANIFEST_NAME), new)
+        remote.store.put_bytes(remote.step_key(20, "COMMITTED"), committed_marker(20, new))
+    else:
+        remote.store.put_bytes(remote.key("latest.json"), b'{"step": 999, "path": "steps/step-000000999"}')
+        expect = 20
+    step, rejected = remote.restore_newest(RunLayout(tmp_path / "back", RUN), "r")
+    assert step == expect
+    if expect == 10:
+        if fault != "manifest without COMMITTED":
+            assert rejected and rejected[0][0] == 20
+            assert "\n" not in rejected[0][1]
+        if fault == "overwritten object":
+            assert "__1_0.distcp" in rejected[0][1] and "SHA-256" in rejected[0][1]
+        if fault == "manifest path with ..":
+            assert "escapes" in rejected[0][1]
+    assert not (tmp_path / "back" / RUN / "steps" / "step-000000020").exists() or expect == 20
+
+
+def test_second_owner_is_refused(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    make_step(staging, 10)
+    first = _tiering(*_upload_args(staging, *remote_uri, "--once", "--set", "checkpoint.s3.owner=alice"))
+    assert first.returncode == 0, first.stderr
+    make_step(staging, 20)
+    second = _tiering(*_upload_args(staging, *remote_uri, "--once", "--set", "checkpoint.s3.owner=bob"))
+    assert second.returncode == 1 and "owned by 'alice'" in second.stderr and "not 'bob'" in second.stderr
+    assert _remote(*remote_uri).committed_steps() == [10], "the refused uploader wrote nothing"
+    with pytest.raises(LeaseError):
+        _remote(*remote_uri).acquire_lease("carol")
+
+
+def test_gc_marks_then_deletes_and_keeps_what_it_must(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    remote = _remote(*remote_uri)
+    remote.acquire_lease("me")
+    for step in range(10, 80, 10):
+        remote.upload_step(make_step(staging, step, size=1000))
+    remote.store.put_bytes(remote.key("latest.json"), b'{"step": 20}')  # an operator pinned an old step
+    dry = remote.gc(keep=2, milestone_every=50, dry_run=True)
+    assert dry.keep == [20, 50, 60, 70] and dry.marked_now == [10, 30, 40] and dry.deleted == []
+    assert remote.committed_steps() == [70, 60, 50, 40, 30, 20, 10], "dry run deletes nothing"
+    first = remote.gc(keep=2, milestone_every=50, dry_run=False)
+    assert first.deleted == [] and remote.committed_steps() == [70, 60, 50, 40, 30, 20, 10], "first pass only marks"
+    second = remote.gc(keep=2, milestone_every=50, dry_run=False)
+    assert second.deleted == [10, 30, 40]
+    assert remote.committed_steps() == [70, 60, 50, 20]
+
+
+def test_gc_never_deletes_the_only_verified_step(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:
+    remote = _remote(*remote_uri)
+    remote.acquire_lease("me")
+    remote.upload_step(make_step(tmp_path / "staging", 10, size=1000))
+    for _ in range(2):
+        plan = remote.gc(keep=1, milestone_every=0, dry_run=False)
+    assert plan.deleted == [] and remote.committed_steps() == [10]
+
+
+# -- faults against the real server -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_uploader_sigkilled_mid_upload_leaves_no_commit_and_next_run_finishes(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    staging = tmp_path / "staging"
+    make_step(staging, 10, size=24_000_000, shards=1)  # 5 multipart parts of 5 MB
+    uri = f"s3://{bucket}/ckpt"
+    killed = _tiering(
+        *_upload_args(staging, uri, s3_endpoint, "--once", "--set", "checkpoint.s3.concurrency=1"),
+        env_extra={"RP_S3_FAULT": "kill_after_parts=2"},
+    )
+    assert killed.returncode == -9
+    remote = _remote(uri, s3_endpoint)
+    assert remote.committed_steps() == [] and remote.steps().get(10, set()) - {"model/__0_0.distcp"} == set()
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads"), "the killed upload left a multipart upload"
+    again = _tiering(*_upload_args(staging, uri, s3_endpoint, "--once"))
+    assert again.returncode == 0 and "aborted 1 stale multipart upload" in again.stderr, again.stderr
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert remote.committed_steps() == [10]
+    step, _ = remote.restore_newest(RunLayout(tmp_path / "back", RUN), "r")
+    assert step == 10
+
+
+@pytest.mark.slow
+def test_timeouts_mid_multipart_are_retried(s3_endpoint: str, bucket: str, tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    make_step(staging, 10, size=12_000_000, shards=1)
+    uri = f"s3://{bucket}/ckpt"
+    out = _tiering(*_upload_args(staging, uri, s3_endpoint, "--once"), env_extra={"RP_S3_FAULT": "timeout_parts=2"})
+    assert out.returncode == 0, out.stderr
+    step, rejected = _remote(uri, s3_endpoint).restore_newest(RunLayout(tmp_path / "back", RUN), "r")
+    assert step == 10 and rejected == []
+
+
+@pytest.mark.slow
+def test_unreachable_s3_backs_off_and_training_continues(tmp_path: Path, corpus: Path) -> None:
+    staging = tmp_path / "staging"
+    make_step(staging, 10)
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = _tiering(
+        *_upload_args(
+            staging, "s3://nobucket/ckpt", dead, "--watch", "--max-seconds", "5", "--set", "checkpoint.s3.retry_max_s=4"
+        ),
+        env_extra={"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"},
+    )
+    assert out.returncode == 0, out.stderr
+    delays = [
+        float(line.split("retrying in ")[1].split("s;")[0]) for line in out.stderr.splitlines() if "retrying in" in line
+    ]
+    assert delays[:3] == [1.0, 2.0, 4.0][: len(delays[:3])] and len(delays) >= 2, out.stderr
+    assert "staging steps pending: [10]" in out.stderr
+    verify_step(staging / RUN / "steps" / "step-000000010")  # still pending, intact
+
+    job = tmp_path / "job"
+    torchrun(
+        job,
+        2,
+        overrides_for(
+            job,
+            corpus,
+            **{
+                "train.steps": 20,
+                "checkpoint.s3.uri": "s3://nobucket/ckpt",
+                "checkpoint.s3.endpoint_url": dead,
+                "checkpoint.reshardable.interval": 10,
+            },
+        ),
+    )
+    assert [e["step"] for e in events(job / "runs" / "t") if e["event"] == "save" and e["tier"] == "reshardable"] == [
+        10,
+        20,
+    ]
+
+
+# -- the trainer with the S3 tier -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_full_loop_resumes_from_s3_after_all_local_tiers_are_lost(
+    s3_endpoint: str, bucket: str, tmp_path: Path, corpus: Path
+) -> None:
+    job = tmp_path / "job"
+    s3 = {
+        "checkpoint.s3.uri": f"s3://{bucket}/ckpt",
+        "checkpoint.s3.endpoint_url": s3_endpoint,
+        "checkpoint.reshardable.interval": 10,
+    }
+    torchrun(job, 2, overrides_for(job, corpus, **s3, **{"train.steps": 20}))
+    up = _tiering(*_upload_args(job / "reshard", f"s3://{bucket}/ckpt", s3_endpoint, "--once"))
+    assert up.returncode == 0, up.stderr
+    for local in ("ckpt", "reshard"):
+        subprocess.run(["rm", "-rf", str(job / local)], check=True)
+    torchrun(job, 2, overrides_for(job, corpus, **s3, **{"train.steps": 30}))
+    restore = [e for e in events(job / "runs" / "t") if e["event"] == "restore"]
+    assert [(r["step"], r["tier"]) for r in restore] == [(20, "s3")]
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_promoted_to_s3_restores_at_tp1_dp2(
+    s3_endpoint: str, bucket: str, tmp_path: Path, corpus: Path
+) -> None:
+    job = tmp_path / "job"
+    common = {
+        "checkpoint.s3.uri": f"s3://{bucket}/ckpt",
+        "checkpoint.s3.endpoint_url": s3_endpoint,
+        "checkpoint.reshardable.interval": 10,
+        "model.hidden_dropout": 0.0,
+        "model.attention_dropout": 0.0,
+        "schedule.decay_steps": 40,
+    }
+    tp2 = overrides_for(job, corpus, **common, **{"parallel.tp": 2, "train.steps": 20})
+    torchrun(job, 2, tp2)
+    assert _tiering(*_upload_args(job / "reshard", f"s3://{bucket}/ckpt", s3_endpoint, "--once")).returncode == 0
+    saved = full_tensors(job / "reshard" / "t" / "steps" / "step-000000020" / "model")
+    # The reference next step at TP=2, then lose every local tier.
+    torchrun(job, 2, [o.replace("train.steps=20", "train.steps=21") for o in tp2])
+    loss_tp2 = [json.loads(x) for x in (job / "runs" / "t" / "metrics.jsonl").read_text().splitlines()][-1]
+    subprocess.run(["rm", "-rf", str(job / "ckpt"), str(job / "reshard"), str(job / "runs")], check=True)
+
+    for nproc in (2, 1):
+        tp1 = [o for o in tp2 if not o.startswith("parallel.tp=")] + ["parallel.tp=1"]
+        probe = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(REPO / "tests" / "probe_restore.py"),
+            str(TINY),
+            *tp1,
+        ]
+        out = run(probe, job, timeout=300, check=True)
+        assert "PROBE restored=20" in out.stdout + out.stderr
+        resaved = full_tensors(job / "reshard-resaved" / "t" / "steps" / "step-000000020" / "model")
+        for key in saved:
+            if key.startswith("optimizer.state.exp_avg") or not key.startswith("optimizer."):
+                assert torch.equal(saved[key], resaved[key]), f"{key} differs after S3 restore at {nproc} rank(s)"
+        subprocess.run(["rm", "-rf", str(job / "reshard-resaved"), str(job / "reshard"), str(job / "runs")], check=True)
+    # Next-step loss at TP=1/DP=2 from S3 equals the TP=2 reference (up to float reduction order).
+    torchrun(job, 2, [o.replace("train.steps=20", "train.steps=21") for o in tp1])
+    ev = events(job / "runs" / "t")
+    assert [(r["step"], r["tier"]) for r in ev if r["event"] == "restore"] == [(20, "s3")]
+    loss_tp1 = [json.loads(x) for x in (job / "runs" / "t" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert loss_tp1["step"] == loss_tp2["step"] == 21
+    assert abs(loss_tp1["loss"] - loss_tp2["loss"]) < 1e-5 * abs(loss_tp2["loss"])
+
+
+def test_iam_policy_grants_only_the_run_prefix() -> None:
+    policy = json.loads((REPO / "k8s" / "iam-policy.json").read_text())
+    for role in ("Writer", "Reader", "Gc"):
+        for st in policy[role]["Statement"]:
+            assert st["Effect"] == "Allow"
+            for res in st["Resource"]:
+                assert res == "arn:aws:s3:::BUCKET" or res.startswith("arn:aws:s3:::BUCKET/PREFIX/RUN_ID/"), res
+            if st["Resource"] == ["arn:aws:s3:::BUCKET"]:
+                assert st["Condition"]["StringLike"]["s3:prefix"] == ["PREFIX/RUN_ID/*"]
+    actions = {
+        role: {a for st in policy[role]["Statement"] for a in st["Action"]} for role in policy if role != "Comment"
+    }
+    assert "s3:DeleteObject" not in actions["Writer"] and "s3:DeleteObject" not in actions["Reader"]
+    assert actions["Reader"] <= {"s3:GetObject", "s3:ListBucket"}
+    assert "s3:DeleteObject" in actions["Gc"] and "s3:PutObject" in actions["Writer"]

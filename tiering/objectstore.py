@@ -1,0 +1,362 @@
+"""Object stores behind one small Protocol: S3 (boto3) and a ``file://`` directory that emulates it.
+
+Only what the durable tier needs: immutable uploads (multipart for large files), conditional
+writes (``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace), listing, ranged-free
+downloads and deletes. The file emulation gives conditional create through an exclusive hard link
+and conditional replace under a lock, so the same protocol runs with no server (``make demo``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+
+class ObjectStoreError(RuntimeError):
+    """The store is unreachable or refused a request; ``str(err)`` is one line."""
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A conditional write lost: the object exists (If-None-Match) or changed (If-Match)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    sha256: str | None = None  # as recorded at upload (object metadata), when known
+
+
+class ObjectStore(Protocol):
+    url: str
+
+    def put_file(self, key: str, path: Path, sha256: str) -> None: ...
+
+    def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        """Write ``data``; return the new ETag. Raises PreconditionFailed when a condition fails."""
+        ...
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        """Return (content, etag); raise KeyError if the object does not exist."""
+        ...
+
+    def download_file(self, key: str, path: Path) -> None: ...
+
+    def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str) -> list[ObjectInfo]: ...
+
+    def delete(self, keys: list[str]) -> None: ...
+
+    def abort_multipart_uploads(self, prefix: str) -> int: ...
+
+
+def split_uri(uri: str) -> tuple[str, str, str]:
+    """``s3://bucket/pre/fix`` -> ("s3", "bucket", "pre/fix"); ``file:///dir`` -> ("file", "/dir", "")."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3" and parsed.netloc:
+        return "s3", parsed.netloc, parsed.path.strip("/")
+    if parsed.scheme == "file" and parsed.path:
+        return "file", parsed.path, ""
+    raise ValueError(f"{uri!r} is not an s3://bucket[/prefix] or file:///path URI")
+
+
+def open_store(
+    uri: str,
+    endpoint_url: str | None = None,
+    concurrency: int = 8,
+    chunk_mb: int = 64,
+    checksum_header: bool = False,
+    connect_timeout_s: float = 5.0,
+    read_timeout_s: float = 60.0,
+    max_attempts: int = 5,
+) -> tuple[ObjectStore, str]:
+    """Return the store and the key prefix inside it."""
+    scheme, where, prefix = split_uri(uri)
+    if scheme == "file":
+        return FileStore(Path(where)), prefix
+    return S3Store(
+        where, endpoint_url, concurrency, chunk_mb, checksum_header, connect_timeout_s, read_timeout_s, max_attempts
+    ), prefix
+
+
+# ---------------------------------------------------------------------------------------------
+# S3
+
+
+class S3Store:
+    def __init__(
+        self,
+        bucket: str,
+        endpoint_url: str | None,
+        concurrency: int,
+        chunk_mb: int,
+        checksum_header: bool,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_attempts: int,
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.url = f"s3://{bucket}" + (f" at {endpoint_url}" if endpoint_url else "")
+        # The standard boto3 credential chain (env, profile, IRSA web identity) applies unchanged.
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=Config(
+                retries={"max_attempts": max_attempts, "mode": "standard"},
+                connect_timeout=connect_timeout_s,
+                read_timeout=read_timeout_s,
+                s3={"addressing_style": "path"},
+                max_pool_connections=max(10, concurrency * 2),
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+        self.transfer = TransferConfig(
+            multipart_threshold=chunk_mb * 1024 * 1024,
+            multipart_chunksize=chunk_mb * 1024 * 1024,
+            max_concurrency=concurrency,
+            use_threads=concurrency > 1,
+        )
+        self.checksum_header = checksum_header
+        if os.environ.get("RP_S3_FAULT"):
+            _install_fault_hooks(self.client, os.environ["RP_S3_FAULT"])
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                raise PreconditionFailed(f"{self.url}/{what}: precondition failed") from exc
+            if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+                raise KeyError(what) from exc
+            raise ObjectStoreError(f"{self.url}/{what}: {code or status}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise ObjectStoreError(
+                f"{self.url}/{what}: {type(exc).__name__}: {exc}; fix: check "
+                "checkpoint.s3.endpoint_url, network and credentials"
+            ) from exc
+
+    def put_file(self, key: str, path: Path, sha256: str) -> None:
+        extra: dict[str, Any] = {"Metadata": {"sha256": sha256}}
+        if self.checksum_header:
+            extra["ChecksumAlgorithm"] = "SHA256"
+        with self._errors(key):
+            self.client.upload_file(str(path), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+
+    def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": data, "ContentMD5": _b64md5(data)}
+        if if_none_match:
+            kwargs["IfNoneMatch"] = "*"
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match.strip('"')  # Ceph RGW compares the unquoted ETag
+        with self._errors(key):
+            return self.client.put_object(**kwargs)["ETag"].strip('"')
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        with self._errors(key):
+            resp = self.client.get_object(Bucket=self.bucket, Key=key)
+            return resp["Body"].read(), resp["ETag"].strip('"')
+
+    def download_file(self, key: str, path: Path) -> None:
+        with self._errors(key):
+            self.client.download_file(self.bucket, key, str(path), Config=self.transfer)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            with self._errors(key):
+                resp = self.client.head_object(Bucket=self.bucket, Key=key)
+        except KeyError:
+            return None
+        sha = resp.get("Metadata", {}).get("sha256")
+        return ObjectInfo(key, resp["ContentLength"], resp["ETag"].strip('"'), sha)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        out = []
+        with self._errors(prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                out += [ObjectInfo(o["Key"], o["Size"], o["ETag"].strip('"')) for o in page.get("Contents", [])]
+        return out
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            with self._errors(keys[i]):
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+                )
+
+    def abort_multipart_uploads(self, prefix: str) -> int:
+        n = 0
+        with self._errors(prefix):
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
+                for up in page.get("Uploads", []):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    n += 1
+        return n
+
+
+def _install_fault_hooks(client: Any, spec: str) -> None:
+    """Deliberate faults for tests and drills, from ``RP_S3_FAULT``:
+
+    * ``kill_after_parts=N``: SIGKILL this process once N multipart parts were uploaded;
+    * ``timeout_parts=N``: the first N UploadPart requests time out (the client retries them).
+    """
+    import signal
+
+    from botocore.exceptions import ReadTimeoutError
+
+    kind, _, count = spec.partition("=")
+    limit = int(count or "1")
+    seen = {"n": 0}
+
+    def kill_after(**_: Any) -> None:
+        seen["n"] += 1
+        if seen["n"] >= limit:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def time_out(request: Any = None, **_: Any) -> None:
+        if seen["n"] < limit:
+            seen["n"] += 1
+            raise ReadTimeoutError(endpoint_url=getattr(request, "url", "s3"))
+
+    if kind == "kill_after_parts":
+        client.meta.events.register("after-call.s3.UploadPart", kill_after)
+    elif kind == "timeout_parts":
+        client.meta.events.register("before-send.s3.UploadPart", time_out)
+    else:
+        raise ValueError(f"RP_S3_FAULT={spec!r}: unknown fault")
+
+
+def _b64md5(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(hashlib.md5(data).digest()).decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# file:// emulation
+
+
+class FileStore:
+    """Objects as files under ``root``; writes are atomic, conditional writes are exact."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise ObjectStoreError(f"{self.url}: refusing key {key!r}")
+        return self.root / key
+
+    def _stage(self, path: Path, writer: Any) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.upload-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as fh:
+            writer(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def put_file(self, key: str, path: Path, sha256: str) -> None:
+        dst = self._path(key)
+        with open(path, "rb") as src:
+            tmp = self._stage(dst, lambda fh: shutil.copyfileobj(src, fh, 16 * 1024 * 1024))
+        os.replace(tmp, dst)
+
+    def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        dst = self._path(key)
+        tmp = self._stage(dst, lambda fh: fh.write(data))
+        try:
+            if if_none_match:
+                try:
+                    os.link(tmp, dst)  # exclusive create: fails if the object exists
+                except FileExistsError as exc:
+                    raise PreconditionFailed(f"{self.url}/{key}: precondition failed (exists)") from exc
+            elif if_match is not None:
+                with self._lock(dst):
+                    current = self.head(key)
+                    if current is None or current.etag != if_match.strip('"'):
+                        raise PreconditionFailed(f"{self.url}/{key}: precondition failed (changed)")
+                    os.replace(tmp, dst)
+            else:
+                os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return hashlib.md5(data).hexdigest()
+
+    @contextlib.contextmanager
+    def _lock(self, dst: Path) -> Iterator[None]:
+        lock = dst.parent / f".{dst.name}.lock"
+        with open(lock, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+        if not path.is_file():
+            raise KeyError(key)
+        data = path.read_bytes()
+        return data, hashlib.md5(data).hexdigest()
+
+    def download_file(self, key: str, path: Path) -> None:
+        src = self._path(key)
+        if not src.is_file():
+            raise KeyError(key)
+        shutil.copyfile(src, path)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        data = path.read_bytes()
+        return ObjectInfo(key, len(data), hashlib.md5(data).hexdigest(), hashlib.sha256(data).hexdigest())
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        base = self.root
+        out = []
+        if not base.exists():
+            return out
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                if name.startswith("."):
+                    continue
+                key = (Path(dirpath) / name).relative_to(base).as_posix()
+                if key.startswith(prefix):
+                    out.append(ObjectInfo(key, (Path(dirpath) / name).stat().st_size, ""))
+        return sorted(out, key=lambda o: o.key)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def abort_multipart_uploads(self, prefix: str) -> int:
+        n = 0
+        for dirpath, _dirs, files in os.walk(self.root / prefix if (self.root / prefix).exists() else self.root):
+            for name in files:
+                if ".upload-" in name:
+                    (Path(dirpath) / name).unlink(missing_ok=True)
+                    n += 1
+        return n

@@ -1,0 +1,319 @@
+"""Tier 3: verified steps in an object store (S3, or ``file://`` with the same protocol).
+
+Keys under ``<prefix>/<run id>/``::
+
+    run.json                               the run lease: the first writer's identity (If-None-Match: *)
+    steps/step-000000123/<file>            immutable objects, each with its SHA-256 in our manifest
+    steps/step-000000123/manifest.json     uploaded after every object's size was checked
+    steps/step-000000123/COMMITTED         last, bound to the manifest's SHA-256
+    latest.json                            a hint, replaced with If-Match so two writers cannot both win
+    gc/marks.json                          steps marked for deletion by an earlier GC pass
+
+Object stores have no rename: a step exists for readers only once ``COMMITTED`` does, and a reader
+verifies every byte against the manifest before using it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiering.errors import CheckpointError, VerificationError
+from tiering.fsio import fsync_dir
+from tiering.layout import RunLayout, parse_step_name, step_name
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
+from tiering.objectstore import ObjectStore, PreconditionFailed
+from tiering.publish import write_latest
+from tiering.verify import committed_marker, verify_step
+
+log = logging.getLogger(__name__)
+
+
+class LeaseError(CheckpointError):
+    """Another identity owns this run's prefix."""
+
+
+@dataclass
+class UploadResult:
+    step: int
+    bytes: int
+    seconds: float
+    skipped_objects: int = 0
+
+
+@dataclass
+class GcPlan:
+    keep: list[int]
+    marked_now: list[int]
+    deleted: list[int]
+    reasons: dict[int, str] = field(default_factory=dict)
+
+
+class RemoteTier:
+    name = "s3"
+
+    def __init__(self, store: ObjectStore, prefix: str, run_id: str, download_concurrency: int = 8) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.base = "/".join(p for p in (prefix.strip("/"), run_id) if p)
+        self.download_concurrency = download_concurrency
+
+    # -- keys ------------------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        return "/".join((self.base, *parts))
+
+    def step_key(self, step: int, rel: str = "") -> str:
+        return self.key("steps", step_name(step), rel) if rel else self.key("steps", step_name(step))
+
+    def where(self, key: str) -> str:
+        return f"{self.store.url}/{key}"
+
+    # -- lease -----------------------------------------------------------------------------------
+    def acquire_lease(self, identity: str) -> None:
+        """Create ``run.json`` for ``identity`` or confirm it already owns the run."""
+        body = json.dumps(
+            {"run_id": self.run_id, "owner": identity, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        ).encode()
+        try:
+            self.store.put_bytes(self.key("run.json"), body, if_none_match=True)
+            log.info("%s: run lease created for %s", self.where(self.key("run.json")), identity)
+            return
+        except PreconditionFailed:
+            pass
+        raw, _ = self.store.get_bytes(self.key("run.json"))
+        try:
+            owner = json.loads(raw)["owner"]
+        except (ValueError, KeyError) as exc:
+            raise LeaseError(
+                f"{self.where(self.key('run.json'))}: unreadable run lease; fix: inspect it, or use a new run.id"
+            ) from exc
+        if owner != identity:
+            raise LeaseError(
+                f"{self.where(self.key('run.json'))}: run {self.run_id!r} is owned by {owner!r}, "
+                f"not {identity!r}; refusing to write; fix: use a new run.id or run as the owner"
+            )
+
+    # -- upload ----------------------------------------------------------------------------------
+    def upload_step(self, step_dir: Path) -> UploadResult:
+        """Upload one verified local step; resumable (objects already there with the right size
+        and SHA-256 are kept). Order: objects, size check, manifest, COMMITTED, latest.json."""
+        t0 = time.perf_counter()
+        manifest = verify_step(step_dir, expect_run_id=self.run_id)
+        raw = (step_dir / MANIFEST_NAME).read_bytes()
+        step = manifest.step
+        existing = {o.key for o in self.store.list(self.step_key(step) + "/")}
+        skipped = 0
+        for entry in manifest.files:
+            key = self.step_key(step, entry.path)
+            have = self.store.head(key) if key in existing else None
+            if have is not None and have.size == entry.bytes and have.sha256 == entry.sha256:
+                skipped += 1  # left by an interrupted upload of this same step: keep it
+                continue
+            self.store.put_file(key, step_dir / entry.path, entry.sha256)
+        for entry in manifest.files:
+            info = self.store.head(self.step_key(step, entry.path))
+            if info is None or info.size != entry.bytes:
+                raise CheckpointError(
+                    f"{self.where(self.step_key(step, entry.path))}: uploaded object has size "
+                    f"{info.size if info else 'missing'}, manifest says {entry.bytes}; retrying"
+                )
+        self.store.put_bytes(self.step_key(step, MANIFEST_NAME), raw)
+        self.store.put_bytes(self.step_key(step, COMMITTED_NAME), committed_marker(step, raw))
+        self.update_latest(step)
+        return UploadResult(step, manifest.total_bytes, time.perf_counter() - t0, skipped)
+
+    def update_latest(self, step: int, attempts: int = 5) -> None:
+        """Point latest.json at ``step`` unless it already names a newer one (conditional write)."""
+        key = self.key("latest.json")
+        body = json.dumps({"step": step, "path": f"steps/{step_name(step)}"}).encode()
+        for _ in range(attempts):
+            try:
+                raw, etag = self.store.get_bytes(key)
+            except KeyError:
+                try:
+                    self.store.put_bytes(key, body, if_none_match=True)
+                    return
+                except PreconditionFailed:
+                    continue
+            try:
+                current = int(json.loads(raw)["step"])
+            except (ValueError, KeyError, TypeError):
+                current = -1
+            if current >= step:
+                return
+            try:
+                self.store.put_bytes(key, body, if_match=etag)
+                return
+            except PreconditionFailed:
+                continue  # another writer moved it: re-read and decide again
+        raise CheckpointError(f"{self.where(key)}: could not update after {attempts} conflicting writers")
+
+    def latest_hint(self) -> int | None:
+        try:
+            raw, _ = self.store.get_bytes(self.key("latest.json"))
+            step = json.loads(raw)["step"]
+            return step if isinstance(step, int) else None
+        except (KeyError, ValueError, TypeError):
+            return None
+
+    # -- listing ---------------------------------------------------------------------------------
+    def steps(self) -> dict[int, set[str]]:
+        """step -> relative object names present (any state), from one listing."""
+        out: dict[int, set[str]] = {}
+        prefix = self.key("steps") + "/"
+        for obj in self.store.list(prefix):
+            rest = obj.key[len(prefix) :]
+            name, _, rel = rest.partition("/")
+            step = parse_step_name(name)
+            if step is not None and rel:
+                out.setdefault(step, set()).add(rel)
+        return out
+
+    def committed_steps(self) -> list[int]:
+        return sorted((s for s, names in self.steps().items() if COMMITTED_NAME in names), reverse=True)
+
+    # -- download / restore ----------------------------------------------------------------------
+    def read_manifest(self, step: int) -> tuple[Manifest, bytes]:
+        where = self.where(self.step_key(step, MANIFEST_NAME))
+        try:
+            marker, _ = self.store.get_bytes(self.step_key(step, COMMITTED_NAME))
+        except KeyError as exc:
+            raise VerificationError(
+                self.where(self.step_key(step, COMMITTED_NAME)),
+                "COMMITTED object is missing: the upload never finished",
+            ) from exc
+        try:
+            raw, _ = self.store.get_bytes(self.step_key(step, MANIFEST_NAME))
+        except KeyError as exc:
+            raise VerificationError(where, "manifest.json object is missing") from exc
+        manifest = Manifest.from_json(raw, where)
+        if marker != committed_marker(step, raw):
+            raise VerificationError(
+                self.where(self.step_key(step, COMMITTED_NAME)),
+                "COMMITTED does not match manifest.json (manifest changed after commit)",
+            )
+        if manifest.step != step or manifest.run_id != self.run_id:
+            raise VerificationError(where, f"manifest names run {manifest.run_id!r} step {manifest.step}")
+        return manifest, raw
+
+    def download_step(self, step: int, layout: RunLayout, attempt: str) -> Path:
+        """Download, verify every byte, and publish the step locally under ``layout``."""
+        manifest, raw = self.read_manifest(step)
+        final = layout.step_dir(step)
+        if final.exists():
+            try:
+                verify_step(final, expect_run_id=self.run_id)
+                return final  # already here and good
+            except VerificationError:
+                shutil.rmtree(final)
+        tmp = layout.tmp_dir(step, attempt)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+
+            def fetch(rel: str) -> None:
+                dst = tmp / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                self.store.download_file(self.step_key(step, rel), dst)
+
+            with ThreadPoolExecutor(max_workers=self.download_concurrency) as pool:
+                list(pool.map(fetch, [f.path for f in manifest.files]))
+            (tmp / MANIFEST_NAME).write_bytes(raw)
+            (tmp / COMMITTED_NAME).write_bytes(committed_marker(step, raw))
+            try:
+                verify_step(tmp, expect_run_id=self.run_id)
+            except VerificationError as exc:
+                rel = Path(exc.path).relative_to(tmp).as_posix() if exc.path.startswith(str(tmp)) else exc.path
+                raise VerificationError(
+                    self.where(self.step_key(step, rel)),
+                    exc.reason,
+                    "the step is skipped; an older verified step is used",
+                ) from exc
+            from tiering.fsio import fsync_tree
+
+            fsync_tree(tmp)
+            os.rename(tmp, final)
+            fsync_dir(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        write_latest(layout, step)
+        return final
+
+    def restore_newest(self, layout: RunLayout, attempt: str) -> tuple[int | None, list[tuple[int, str]]]:
+        """Newest committed step that verifies, downloaded into ``layout``; older ones on any mismatch."""
+        rejected: list[tuple[int, str]] = []
+        hint = self.latest_hint()
+        committed = self.committed_steps()
+        if hint is not None and hint not in committed:
+            log.warning(
+                "%s names step %s, which is not committed; ignoring the hint", self.where(self.key("latest.json")), hint
+            )
+        for step in committed:
+            try:
+                self.download_step(step, layout, attempt)
+                return step, rejected
+            except VerificationError as exc:
+                log.error("S3 step rejected: %s", exc)
+                rejected.append((step, str(exc)))
+        return None, rejected
+
+    # -- retention -------------------------------------------------------------------------------
+    def gc(self, keep: int, milestone_every: int, dry_run: bool = True) -> GcPlan:
+        """Mark, then (on a later pass) delete steps beyond the policy.
+
+        Kept: the newest ``keep`` committed steps whose manifest verifies, the verified step just
+        before them, milestones (``step % milestone_every == 0``), and the step latest.json names.
+        Never the only verified step. Uncommitted leftovers older than the newest committed step
+        are garbage too (newer ones may be uploads in progress).
+        """
+        all_steps = self.steps()
+        verified = []
+        for step in sorted(all_steps, reverse=True):
+            if COMMITTED_NAME in all_steps[step]:
+                try:
+                    self.read_manifest(step)
+                    verified.append(step)
+                except VerificationError:
+                    continue
+        keep_set = set(verified[: keep + 1])  # the newest `keep` plus the previous verified one
+        if milestone_every > 0:
+            keep_set |= {s for s in verified if s % milestone_every == 0}
+        hint = self.latest_hint()
+        if hint is not None:
+            keep_set.add(hint)
+        newest = verified[0] if verified else None
+        doomed = {s for s in verified if s not in keep_set}
+        if newest is not None:
+            doomed |= {s for s in all_steps if s not in verified and s < newest and s not in keep_set}
+        marks = self._read_marks()
+        plan = GcPlan(sorted(keep_set & set(all_steps)), [], [])
+        to_delete = sorted(s for s in doomed if s in marks)
+        plan.marked_now = sorted(s for s in doomed if s not in marks)
+        plan.deleted = to_delete
+        if not dry_run:
+            for step in to_delete:
+                keys = [o.key for o in self.store.list(self.step_key(step) + "/")]
+                # COMMITTED first: a half-deleted step is never mistaken for a committed one.
+                keys.sort(key=lambda k: not k.endswith("/" + COMMITTED_NAME))
+                self.store.delete(keys[:1])
+                self.store.delete(keys[1:])
+            remaining = {s: t for s, t in marks.items() if s in doomed and s not in to_delete}
+            remaining.update({s: time.time() for s in plan.marked_now})
+            self.store.put_bytes(
+                self.key("gc", "marks.json"), json.dumps({str(k): v for k, v in remaining.items()}).encode()
+            )
+        return plan
+
+    def _read_marks(self) -> dict[int, float]:
+        try:
+            raw, _ = self.store.get_bytes(self.key("gc", "marks.json"))
+            return {int(k): float(v) for k, v in json.loads(raw).items()}
+        except (KeyError, ValueError):
+            return {}

@@ -1,0 +1,100 @@
+"""``tiering upload``: a separate process that promotes committed staging steps to the object store.
+
+It never runs inside the trainer: a slow or unreachable store costs training nothing. Steps are
+uploaded oldest first, each pinned against staging retention while in flight. On start it aborts
+stale multipart uploads of its own run, so a SIGKILLed predecessor leaves no debris, and redoes
+(or finishes, keeping objects already verified by size and SHA-256) any step without COMMITTED.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from tiering.errors import CheckpointError, VerificationError
+from tiering.local import LocalTier
+from tiering.objectstore import ObjectStoreError
+from tiering.remote import LeaseError, RemoteTier, UploadResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backoff:
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    failures: int = 0
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+@dataclass
+class Uploader:
+    remote: RemoteTier
+    staging: LocalTier
+    identity: str
+    uploaded: list[UploadResult] = field(default_factory=list)
+    _cleaned: bool = False
+
+    def pending(self) -> list[int]:
+        remote = set(self.remote.committed_steps())
+        return sorted(s for s in self.staging.committed_steps() if s not in remote)
+
+    def run_once(self) -> list[UploadResult]:
+        """Upload every pending step; raises ObjectStoreError if the store is unreachable."""
+        self.remote.acquire_lease(self.identity)
+        if not self._cleaned:
+            aborted = self.remote.store.abort_multipart_uploads(self.remote.base + "/")
+            if aborted:
+                log.info("aborted %d stale multipart upload(s) of run %s", aborted, self.remote.run_id)
+            self._cleaned = True
+        done = []
+        for step in self.pending():
+            pin = self.staging.pin(step, "upload")
+            try:
+                result = self.remote.upload_step(self.staging.step_path(step))
+            except VerificationError as exc:
+                log.error("staging step %d does not verify, not uploading it: %s", step, exc)
+                continue
+            except FileNotFoundError:
+                log.warning("staging step %d disappeared before upload (retention); skipping", step)
+                continue
+            finally:
+                pin.unlink(missing_ok=True)
+            log.info(
+                "promoted step %d: %.1f MB in %.2fs (%.0f MB/s)%s",
+                step,
+                result.bytes / 1e6,
+                result.seconds,
+                result.bytes / 1e6 / max(result.seconds, 1e-9),
+                f", {result.skipped_objects} object(s) already there" if result.skipped_objects else "",
+            )
+            done.append(result)
+        self.uploaded += done
+        return done
+
+    def watch(self, poll_s: float, backoff: Backoff, stop: object = None, max_seconds: float | None = None) -> None:
+        """Poll forever (or until ``stop.is_set()`` / ``max_seconds``), backing off while the store is down."""
+        t0 = time.monotonic()
+        while not (stop is not None and stop.is_set()):  # type: ignore[attr-defined]
+            delay = poll_s
+            try:
+                self.run_once()
+                backoff.reset()
+            except LeaseError:
+                raise  # another identity owns the run: retrying cannot help
+            except (ObjectStoreError, CheckpointError) as exc:
+                delay = backoff.next_delay()
+                pending = self.staging.committed_steps()
+                log.error(
+                    "upload failed (%s); retrying in %.1fs; staging steps pending: %s", exc, delay, sorted(pending)
+                )
+            if max_seconds is not None and time.monotonic() - t0 + delay > max_seconds:
+                return
+            time.sleep(delay)
