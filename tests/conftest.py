@@ -15,6 +15,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prefix
 
 
+# Distinctive, so that tests can prove it never lands in a manifest or a log.
+RGW_SECRET = "rp-secret-7c41e2b9d0"
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """A real S3 server for the session: ``S3_ENDPOINT_URL`` (+ AWS_* credentials) if given, else a
@@ -33,7 +37,13 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         pytest.skip("no S3 server: install radosgw (scripts/install-system-deps.sh) or set S3_ENDPOINT_URL")
     for _attempt in range(3):  # a start can fail transiently (e.g. a port taken meanwhile): retry fresh
         state = tempfile.mkdtemp(prefix="rgw-", dir="/tmp")
-        env = {**os.environ, "STATE_DIR": state, "RGW_PORT": str(free_port()), "MON_PORT": str(free_port())}
+        env = {
+            **os.environ,
+            "STATE_DIR": state,
+            "RGW_PORT": str(free_port()),
+            "MON_PORT": str(free_port()),
+            "RGW_SECRET_KEY": RGW_SECRET,
+        }
         proc = subprocess.run(
             [str(REPO / "scripts" / "ceph" / "start-rgw.sh")], env=env, capture_output=True, text=True, timeout=240
         )
@@ -44,8 +54,8 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     else:
         pytest.fail(f"could not start Ceph RGW: {proc.stdout[-500:]} {proc.stderr[-1500:]} {logs[-1500:]}")
     endpoint = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ["AWS_ACCESS_KEY_ID"] = "testing"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = RGW_SECRET
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     try:
         yield endpoint

@@ -296,6 +296,9 @@ def test_full_loop_resumes_from_s3_after_all_local_tiers_are_lost(
     torchrun(job, 2, overrides_for(job, corpus, **s3, **{"train.steps": 30}))
     restore = [e for e in events(job / "runs" / "t") if e["event"] == "restore"]
     assert [(r["step"], r["tier"]) for r in restore] == [(20, "s3")]
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
+    leaks = [p for p in job.rglob("*") if p.is_file() and secret in p.read_bytes()]
+    assert not leaks and secret not in (up.stdout + up.stderr).encode(), f"secret written to {leaks}"
 
 
 @pytest.mark.slow

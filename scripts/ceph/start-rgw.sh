@@ -40,5 +40,5 @@ until curl -sf -o /dev/null "http://127.0.0.1:$RGW_PORT/"; do
   sleep 0.2
 done
 radosgw-admin -c "$CONF" user create --uid=testing --display-name=testing --access-key=testing \
-  --secret-key=testing >/dev/null
+  --secret-key="${RGW_SECRET_KEY:-testing}" >/dev/null
 echo "endpoint=http://127.0.0.1:$RGW_PORT"
