@@ -85,6 +85,9 @@ def main() -> int:
                 rows.append({"raw_up": raw_up, "tier_up": tier_up, "raw_down": raw_down, "tier_down": tier_down})
                 for path in list(down.iterdir()) + files:
                     path.unlink()
+                # Free the server (a memstore RGW holds objects in RAM) before the next repeat.
+                keys = [o.key for o in store.list(prefix)] + [f"raw/{size}/{rep}/{f.name}" for f in files]
+                store.delete(keys)
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             mb = size * 1.048576
             results.append(

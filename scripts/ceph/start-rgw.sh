@@ -27,8 +27,11 @@ until timeout 5 ceph -c "$CONF" mon stat >/dev/null 2>&1; do
   [ $SECONDS -lt $deadline ] || { echo "start-rgw: monitor did not come up; see $STATE_DIR/log" >&2; exit 1; }
   sleep 0.2
 done
-OSDID=$(timeout 30 ceph -c "$CONF" osd create)
-ceph-osd -c "$CONF" -i "$OSDID" --mkfs 2>/dev/null
+# Register the OSD with the same uuid it is created with: otherwise the monitor may refuse its boot
+# ("wrong fsid") because osd.0 was registered under another uuid.
+OSD_UUID=$(cat /proc/sys/kernel/random/uuid)
+OSDID=$(timeout 30 ceph -c "$CONF" osd create "$OSD_UUID")
+ceph-osd -c "$CONF" -i "$OSDID" --mkfs --osd-uuid "$OSD_UUID" 2>/dev/null
 ceph-osd -c "$CONF" -i "$OSDID" 2>/dev/null
 until timeout 10 ceph -c "$CONF" osd stat 2>/dev/null | grep -q "1 up"; do
   [ $SECONDS -lt $deadline ] || { echo "start-rgw: OSD did not come up; see $STATE_DIR/log" >&2; exit 1; }
