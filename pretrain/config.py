@@ -162,6 +162,9 @@ class FaultInjectionConfig:
     kill_node: str | None = None  # SIGKILL every rank on this node at kill_at_step
     # SIGKILL this rank while it receives a replica at kill_at_step (a peer dying mid-replication)
     kill_during_replication_rank: int = -1
+    # This rank stops making progress (a hang) at hang_at_step; ft_launcher's heartbeat timeout must catch it
+    hang_rank: int = -1
+    hang_at_step: int = -1
 
 
 @dataclass

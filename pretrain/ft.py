@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 from pretrain.config import Config
 
@@ -55,3 +56,8 @@ def maybe_inject_fault(cfg: Config, rank: int, step: int, record, node: str | No
         record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL", node=node)
         log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
+    if inj.hang_rank == rank and inj.hang_at_step == step and launcher_restart_count() == 0:
+        record("fault_injected", force=True, rank=rank, step=step, signal="hang", node=node)
+        log.warning("fault injection: rank %d hangs at step %d (no more heartbeats)", rank, step)
+        while True:  # a hang: alive, silent, holding its peers in the next collective
+            time.sleep(3600)

@@ -55,3 +55,31 @@ def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> N
     assert any(k.startswith("optimizer.state.exp_avg.") for k in final_b)
     for key in final_b:
         assert torch.equal(final_b[key], final_r[key]), f"final {key} differs"
+
+
+def test_hung_rank_is_detected_by_heartbeats_and_the_group_restarts(tmp_path: Path, corpus: Path) -> None:
+    from pretrain.launch import ft_launcher_command
+    from tests.helpers import REPO, TINY, run
+
+    job = tmp_path / "hang"
+    ov = overrides_for(
+        job,
+        corpus,
+        **{
+            "train.steps": 40,
+            "checkpoint.local.interval": 10,
+            "fault_tolerance.inject.hang_rank": 1,
+            "fault_tolerance.inject.hang_at_step": 25,
+        },
+    )
+    cmd = ft_launcher_command(
+        TINY, nproc=2, ft_config=REPO / "tests" / "ft-fast-hang.yaml", max_restarts=2, overrides=ov
+    )
+    run(cmd, job, timeout=300, check=True)
+    ev = events(job / "runs" / "t")
+    assert [(e["rank"], e["signal"]) for e in ev if e["event"] == "fault_injected"] == [(1, "hang")]
+    assert [(r["step"], r["tier"]) for r in ev if r["event"] == "restore"] == [(20, "local")]
+    assert max(metrics_by_step(job / "runs" / "t")) == 40
+    hang_t = next(e["time"] for e in ev if e["event"] == "fault_injected")
+    restart_t = next(e["time"] for e in ev if e["event"] == "start" and e["launcher_restart_count"] == 1)
+    assert restart_t - hang_t < 60, "the heartbeat timeout (6 s) must detect the hang, not a collective timeout"
