@@ -66,6 +66,9 @@ def train(cfg: Config) -> RunSummary:
     finally:
         from megatron.core import parallel_state
 
+        from pretrain.checkpointing.reshardable import wait_for_writer_warmup
+
+        wait_for_writer_warmup()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 

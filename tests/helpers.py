@@ -168,3 +168,25 @@ def two_node_launch(
         (tmp / f"{node}.log").write_text(stdout)
         out[node] = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
     return out
+
+
+def probe_restore(tmp: Path, nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Restore the newest step into the topology of ``overrides`` and re-save it (tests/probe_restore.py)."""
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(REPO / "tests" / "probe_restore.py"),
+        str(TINY),
+        *overrides,
+    ]
+    return run(cmd, tmp, timeout=timeout, check=True)
+
+
+def flip_byte(path: Path) -> None:
+    """Real corruption: one bit flipped in the middle of a file."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))

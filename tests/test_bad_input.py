@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import copy_tree, events, metrics_by_step, overrides_for, torchrun
+from tests.helpers import copy_tree, events, flip_byte, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.errors import VerificationError
 from tiering.local import LocalTier
@@ -20,6 +20,14 @@ from tiering.restore import select_newest_verified
 from tiering.verify import committed_marker, verify_step
 
 STEP30 = "t/steps/step-000000030"
+
+
+# Reshardable tier only, a step every 10, all three kept.
+RESHARDABLE_ONLY = {
+    "checkpoint.local.enabled": "false",
+    "checkpoint.reshardable.interval": 10,
+    "checkpoint.reshardable.keep": 3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +40,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
         overrides_for(
             job,
             corpus,
-            **{
-                "train.steps": 30,
-                "checkpoint.local.enabled": "false",
-                "checkpoint.reshardable.interval": 10,
-                "checkpoint.reshardable.keep": 3,
-            },
+            **RESHARDABLE_ONLY,
+            **{"train.steps": 30},
         ),
     )
     return job / "reshard"
@@ -46,12 +50,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 @pytest.fixture
 def ckpt(trained: Path, tmp_path: Path) -> Path:
     return copy_tree(trained, tmp_path / "ckpt")
-
-
-def _flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 def _rewrite_manifest(step_dir: Path, edit: Callable[[dict], None]) -> None:
@@ -68,11 +66,11 @@ def _first_path(body: dict, value: str) -> None:
 
 
 CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
-    "flipped byte in model shard": (lambda d: _flip_byte(d / "model" / "__0_0.distcp"), "model/__0_0.distcp"),
-    "flipped byte in dcp metadata": (lambda d: _flip_byte(d / "model" / ".metadata"), "model/.metadata"),
-    "flipped byte in megatron common.pt": (lambda d: _flip_byte(d / "model" / "common.pt"), "model/common.pt"),
-    "flipped byte in trainer state": (lambda d: _flip_byte(d / "trainer.pt"), "trainer.pt"),
-    "flipped byte in rank state": (lambda d: _flip_byte(d / "rank-state" / "rank-00001.pt"), "rank-00001.pt"),
+    "flipped byte in model shard": (lambda d: flip_byte(d / "model" / "__0_0.distcp"), "model/__0_0.distcp"),
+    "flipped byte in dcp metadata": (lambda d: flip_byte(d / "model" / ".metadata"), "model/.metadata"),
+    "flipped byte in megatron common.pt": (lambda d: flip_byte(d / "model" / "common.pt"), "model/common.pt"),
+    "flipped byte in trainer state": (lambda d: flip_byte(d / "trainer.pt"), "trainer.pt"),
+    "flipped byte in rank state": (lambda d: flip_byte(d / "rank-state" / "rank-00001.pt"), "rank-00001.pt"),
     "truncated shard": (lambda d: os.truncate(d / "model" / "__0_1.distcp", 1000), "model/__0_1.distcp"),
     "missing shard": (lambda d: (d / "model" / "__0_1.distcp").unlink(), "model/__0_1.distcp"),
     "missing COMMITTED": (lambda d: (d / "COMMITTED").unlink(), "COMMITTED"),
@@ -139,7 +137,7 @@ def test_stale_latest_json_does_not_hide_newer_step(ckpt: Path) -> None:
 
 def test_every_step_corrupt_means_no_checkpoint(ckpt: Path) -> None:
     for step in (10, 20, 30):
-        _flip_byte(ckpt / "t" / "steps" / f"step-{step:09d}" / "trainer.pt")
+        flip_byte(ckpt / "t" / "steps" / f"step-{step:09d}" / "trainer.pt")
     assert select_newest_verified(LocalTier(ckpt, "t"), SingleProcess()) is None
     assert len(list((ckpt / "t" / "quarantine").glob("*.reason.txt"))) == 3
 
@@ -164,19 +162,15 @@ def test_manifest_roundtrip_matches_files(ckpt: Path) -> None:
 def test_trainer_skips_corrupt_newest_step_and_resumes_from_older(trained: Path, tmp_path: Path, corpus: Path) -> None:
     job = tmp_path / "job"
     copy_tree(trained, job / "reshard")
-    _flip_byte(job / "reshard" / STEP30 / "model" / "__0_1.distcp")
+    flip_byte(job / "reshard" / STEP30 / "model" / "__0_1.distcp")
     torchrun(
         job,
         2,
         overrides_for(
             job,
             corpus,
-            **{
-                "train.steps": 40,
-                "checkpoint.local.enabled": "false",
-                "checkpoint.reshardable.interval": 10,
-                "checkpoint.reshardable.keep": 3,
-            },
+            **RESHARDABLE_ONLY,
+            **{"train.steps": 40},
         ),
     )
     restore = [e for e in events(job / "runs" / "t") if e["event"] == "restore"]
@@ -216,12 +210,8 @@ def test_full_disk_fails_the_save_cleanly_and_keeps_older_steps(
             overrides_for(
                 job,
                 corpus,
-                **{
-                    "train.steps": 30,
-                    "checkpoint.local.enabled": "false",
-                    "checkpoint.reshardable.interval": 10,
-                    "checkpoint.reshardable.keep": 3,
-                },
+                **RESHARDABLE_ONLY,
+                **{"train.steps": 30},
             ),
         )
         ev = events(job / "runs" / "t")

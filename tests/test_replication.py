@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import (
     PYTHON,
     events,
+    flip_byte,
     ft_launch,
     metrics_by_step,
     overrides_for,
@@ -27,12 +28,6 @@ from tiering.publish import publish_received
 from tiering.verify import verify_step
 
 STATE = "state.pt"
-
-
-def _flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 # -- placement --------------------------------------------------------------------------------
@@ -161,7 +156,7 @@ def test_primary_and_replica_both_corrupt_falls_back_to_older_step(tmp_path: Pat
     ov = {"checkpoint.local.interval": 10, "checkpoint.reshardable.enabled": "false"}
     torchrun(job, 2, overrides_for(job, corpus, **ov, **{"train.steps": 20}))
     root = job / "ckpt" / "t"
-    _flip_byte(root / "ranks" / "rank-00001" / "steps" / "step-000000020" / STATE)
+    flip_byte(root / "ranks" / "rank-00001" / "steps" / "step-000000020" / STATE)
     os.truncate(root / "replicas" / "rank-00001" / "steps" / "step-000000020" / STATE, 100)
     torchrun(job, 2, overrides_for(job, corpus, **ov, **{"train.steps": 30}))
     restore = [e for e in events(job / "runs" / "t") if e["event"] == "restore"]

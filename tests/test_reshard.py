@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, TINY, full_tensors, overrides_for, run, torchrun
+from tests.helpers import full_tensors, overrides_for, probe_restore, torchrun
 
 pytestmark = pytest.mark.slow
 GBS = 8
@@ -42,17 +42,7 @@ def test_tp2_checkpoint_loads_at_tp1_dp2(tmp_path: Path, corpus: Path) -> None:
 
     # Restore at TP=1/DP=2 and re-save unchanged: every full tensor must be bit-identical.
     tp1 = [o for o in tp2 if not o.startswith("parallel.tp=")] + ["parallel.tp=1"]
-    probe = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(REPO / "tests" / "probe_restore.py"),
-        str(TINY),
-        *tp1,
-    ]
-    out = run(probe, job, timeout=300, check=True)
+    out = probe_restore(job, 2, tp1)
     log = out.stdout + out.stderr
     assert "PROBE restored=20 rng_restored=False" in log
     assert "tier 1-2 copies saved at another topology are not loadable here, using the reshardable tier" in log
@@ -86,17 +76,7 @@ def test_pp2_checkpoint_loads_at_pp1_dp2(tmp_path: Path, corpus: Path) -> None:
     torchrun(job, 2, pp2)
     saved = full_tensors(job / "reshard" / "t" / "steps" / "step-000000020" / "model")
     pp1 = [o for o in pp2 if not o.startswith("parallel.pp=")] + ["parallel.pp=1"]
-    probe = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(REPO / "tests" / "probe_restore.py"),
-        str(TINY),
-        *pp1,
-    ]
-    run(probe, job, timeout=300, check=True)
+    probe_restore(job, 2, pp1)
     resaved = full_tensors(job / "reshard-resaved" / "t" / "steps" / "step-000000020" / "model")
     keys = [k for k in saved if not k.startswith("optimizer.") or k.startswith("optimizer.state.exp_avg")]
     assert "decoder.layers.mlp.linear_fc1.weight" in keys and "output_layer.weight" in keys

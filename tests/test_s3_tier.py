@@ -11,7 +11,7 @@ import boto3
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, TINY, events, free_port, full_tensors, overrides_for, run, torchrun
+from tests.helpers import PYTHON, REPO, TINY, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
 from tiering.collective import SingleProcess
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
@@ -325,17 +325,7 @@ def test_tp2_checkpoint_promoted_to_s3_restores_at_tp1_dp2(
 
     for nproc in (2, 1):
         tp1 = [o for o in tp2 if not o.startswith("parallel.tp=")] + ["parallel.tp=1"]
-        probe = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(REPO / "tests" / "probe_restore.py"),
-            str(TINY),
-            *tp1,
-        ]
-        out = run(probe, job, timeout=300, check=True)
+        out = probe_restore(job, nproc, tp1)
         assert "PROBE restored=20" in out.stdout + out.stderr
         resaved = full_tensors(job / "reshard-resaved" / "t" / "steps" / "step-000000020" / "model")
         for key in saved:
@@ -366,3 +356,21 @@ def test_iam_policy_grants_only_the_run_prefix() -> None:
     assert "s3:DeleteObject" not in actions["Writer"] and "s3:DeleteObject" not in actions["Reader"]
     assert actions["Reader"] <= {"s3:GetObject", "s3:ListBucket"}
     assert "s3:DeleteObject" in actions["Gc"] and "s3:PutObject" in actions["Writer"]
+
+
+@pytest.mark.slow
+def test_trainer_refuses_a_run_owned_by_another_identity(tmp_path: Path, corpus: Path) -> None:
+    uri = f"file://{tmp_path / 'objects'}"
+    _remote(uri, None).acquire_lease("alice")
+    job = tmp_path / "job"
+    proc = torchrun(
+        job,
+        2,
+        overrides_for(job, corpus, **{"checkpoint.s3.uri": uri, "checkpoint.s3.owner": "bob"}),
+        check=False,
+        timeout=200,
+    )
+    assert proc.returncode != 0
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("lease error:")]
+    assert lines and "owned by 'alice'" in lines[0] and "run.json" in lines[0]
+    assert not (job / "reshard").exists() or not list((job / "reshard").rglob("COMMITTED"))

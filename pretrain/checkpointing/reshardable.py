@@ -167,6 +167,15 @@ def start_writer_warmup() -> threading.Thread:
         return _warmup_thread
 
 
+def wait_for_writer_warmup() -> None:
+    """Let a running warm-up finish. Call before the process exits: a Manager still starting at
+    exit has no finalizer yet, and multiprocessing's exit handler would wait for it forever."""
+    with _warmup_lock:
+        thread = _warmup_thread
+    if thread is not None:
+        thread.join()
+
+
 def _warm_up_writer() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

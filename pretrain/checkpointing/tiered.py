@@ -26,6 +26,9 @@ class TieredCheckpointer:
         self.coll = coll
         self.local: PerRankCheckpoints | None = None
         self.reshardable: ReshardableCheckpoints | None = None
+        self.attempt = attempt
+        # The lease first: a job that may not write this run fails before anything else starts.
+        self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
         if cfg.checkpoint.local.enabled:
             # Replication gets its own gloo group so that its waits are bounded independently of
             # the training group (which may be NCCL on GPUs).
@@ -35,8 +38,6 @@ class TieredCheckpointer:
             self.local = PerRankCheckpoints(cfg, coll, attempt, topology, group, record_event)
         if cfg.checkpoint.reshardable.enabled:
             self.reshardable = ReshardableCheckpoints(cfg, coll, attempt)
-        self.attempt = attempt
-        self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
 
     def _open_remote(self) -> Any:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
