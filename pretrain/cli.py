@@ -53,6 +53,16 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.config, args.workdir, args.set or [])
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from pretrain.entrypoint import LaunchError, launch
+
+    try:
+        return launch(args.config, args.nproc_per_node, args.max_restarts, args.ft_config, args.dry_run, args.set or [])
+    except LaunchError as exc:
+        print(f"launch error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
     d.set_defaults(func=_prepare)
+
+    la = sub.add_parser("launch", help="derive the node's place from Slurm/Kubernetes and exec ft_launcher")
+    la.add_argument("--config", required=True)
+    la.add_argument("--nproc-per-node", type=int, default=8)
+    la.add_argument("--max-restarts", type=int, default=3)
+    la.add_argument("--ft-config", default="configs/ft-cpu.yaml")
+    la.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
+    la.add_argument("--set", action="append", metavar="KEY=VALUE")
+    la.set_defaults(func=_launch)
 
     m = sub.add_parser("demo", help="2-rank CPU run under ft_launcher with one injected failure")
     m.add_argument("--config", default=None, help="config (default: the embedded tiny-cpu config)")

@@ -1,0 +1,199 @@
+"""``pretrain launch``: one entrypoint for Slurm and Kubernetes that execs ``ft_launcher``.
+
+It derives node rank, number of nodes, rendezvous endpoint, node-local NVMe path, failure domain
+and run id from the environment, checks that the installed ``ft_launcher`` accepts every flag it
+is about to pass, and ``exec``s it (``--dry-run`` prints the exact command instead). Every bad
+input fails at start with one line naming what is wrong and how to fix it.
+
+* Slurm: ``SLURM_JOB_ID``, ``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` (first node is
+  the rendezvous host), ``SLURMD_NODENAME``.
+* Kubernetes (StatefulSet): the pod ordinal is parsed from ``HOSTNAME`` (``pretrain-3`` -> 3), since
+  ``fieldRef: metadata.name`` gives a name, not an integer; ``NNODES`` (the replica count) and
+  ``RDZV_HOST`` (e.g. ``pretrain-0.pretrain``, the headless Service DNS name of pod 0).
+* Both: ``LOCAL_NVME`` (node-local checkpoint root, must exist and be writable), ``FAILURE_DOMAIN``
+  (rack/zone/switch; default: the node), ``RUN_ID`` (default: the config's ``run.id``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """One line: what is wrong with the launch environment and how to fix it."""
+
+
+@dataclass
+class LaunchPlan:
+    platform: str
+    node_rank: int
+    nnodes: int
+    rdzv_endpoint: str
+    node_name: str
+    failure_domain: str
+    local_nvme: str
+    run_id: str | None
+    restart_count: int
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: ``gpu[003-005,007],cpu01`` -> ``gpu003``."""
+    first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not first or not first.group(1):
+        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm nodelist; fix: run under sbatch/srun")
+    prefix, ranges = first.group(1), first.group(3)
+    if not ranges:
+        return prefix
+    start = ranges.split(",")[0].split("-")[0]
+    return prefix + start
+
+
+def _int(env: Mapping[str, str], name: str, fix: str) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        raise LaunchError(f"{name} is not set; fix: {fix}")
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise LaunchError(f"{name}={value!r} is not an integer; fix: {fix}") from exc
+
+
+def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
+    if env.get("SLURM_JOB_ID"):
+        platform = "slurm"
+        nnodes = _int(env, "SLURM_NNODES", "run under sbatch with --nodes")
+        node_rank = _int(env, "SLURM_NODEID", "start one launcher per node with srun --ntasks-per-node=1")
+        host = first_slurm_host(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
+        node = env.get("SLURMD_NODENAME") or env.get("HOSTNAME", "")
+        restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    else:
+        platform = "kubernetes"
+        pod = env.get("HOSTNAME") or env.get("POD_NAME")
+        if not pod:
+            raise LaunchError("HOSTNAME (the pod name) is not set; fix: run in a StatefulSet pod or set POD_NAME")
+        m = re.fullmatch(r"(.+)-(\d+)", pod)
+        if not m:
+            raise LaunchError(
+                f"pod name {pod!r} has no StatefulSet ordinal (expected NAME-N); fix: run the trainer "
+                "as a StatefulSet (or JobSet) so pods are named NAME-0, NAME-1, ..."
+            )
+        node_rank = int(m.group(2))
+        nnodes = _int(env, "NNODES", "set NNODES to the StatefulSet's replica count")
+        host = env.get("RDZV_HOST") or f"{m.group(1)}-0"
+        node = env.get("NODE_NAME") or pod
+        restarts = int(env.get("RESTART_COUNT", "0") or 0)
+    if nnodes < 1:
+        raise LaunchError(f"number of nodes is {nnodes}; fix: request at least one node")
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(
+            f"node rank {node_rank} is not below the number of nodes {nnodes}; fix: check the "
+            "replica count / --nodes against the pod ordinal / SLURM_NODEID"
+        )
+    nvme = env.get("LOCAL_NVME")
+    if not nvme:
+        raise LaunchError("LOCAL_NVME is not set; fix: point it at the node-local NVMe mount for tier-1 checkpoints")
+    path = Path(nvme)
+    if not path.is_dir():
+        raise LaunchError(
+            f"LOCAL_NVME={nvme} does not exist; fix: mount the node-local NVMe there (hostPath/local PV "
+            "or emptyDir on Kubernetes, the node's scratch on Slurm)"
+        )
+    if not os.access(path, os.W_OK):
+        raise LaunchError(f"LOCAL_NVME={nvme} is not writable by uid {os.getuid()}; fix: chown it or set fsGroup")
+    rdzv_port = int(env.get("RDZV_PORT", port))
+    return LaunchPlan(
+        platform,
+        node_rank,
+        nnodes,
+        f"{host}:{rdzv_port}",
+        node,
+        env.get("FAILURE_DOMAIN") or node,
+        nvme,
+        env.get("RUN_ID"),
+        restarts,
+    )
+
+
+def ft_launcher_argv(
+    plan: LaunchPlan, config: str, nproc: int, max_restarts: int, ft_config: str, launcher: str, extra_sets: list[str]
+) -> list[str]:
+    run_id = plan.run_id or "job"
+    cmd = [
+        launcher,
+        f"--nnodes={plan.nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={plan.rdzv_endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=1",
+        "--workers-stop-timeout=15",
+        "--ft-enable-nic-monitor=false",
+        f"--ft-cfg-path={ft_config}",
+        "-m",
+        "pretrain",
+        "train",
+        "--config",
+        config,
+        "--set",
+        f"checkpoint.local.dir={plan.local_nvme}",
+        "--set",
+        f"checkpoint.replication.node={plan.node_name}",
+    ]
+    if plan.run_id:
+        cmd += ["--set", f"run.id={plan.run_id}"]
+    for item in extra_sets:
+        cmd += ["--set", item]
+    return cmd
+
+
+def check_flags(launcher: str, argv: list[str]) -> None:
+    """Fail fast if the installed ft_launcher does not know a flag we pass (its --help is the truth)."""
+    try:
+        help_text = subprocess.run([launcher, "--help"], capture_output=True, text=True, timeout=120).stdout
+    except OSError as exc:
+        raise LaunchError(f"{launcher}: cannot run ({exc.strerror}); fix: install nvidia-resiliency-ext") from exc
+    for arg in argv[1:]:
+        if arg == "-m":
+            break
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and not re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", help_text, re.M):
+            raise LaunchError(
+                f"ft_launcher does not accept {flag} (installed: {launcher}); fix: upgrade "
+                "nvidia-resiliency-ext or drop the flag from pretrain/entrypoint.py"
+            )
+
+
+def launch(
+    config: str,
+    nproc: int,
+    max_restarts: int,
+    ft_config: str,
+    dry_run: bool,
+    extra_sets: list[str],
+    env: Mapping[str, str] | None = None,
+    launcher: str | None = None,
+) -> int:
+    env = os.environ if env is None else env
+    plan = plan_from_env(env)
+    launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
+    argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets)
+    check_flags(launcher, argv)
+    child_env = {**env, "NODE_NAME": plan.node_name, "FAILURE_DOMAIN": plan.failure_domain}
+    if dry_run:
+        print(
+            f"# {plan.platform}: node {plan.node_rank}/{plan.nnodes}, rendezvous {plan.rdzv_endpoint}, "
+            f"node {plan.node_name}, domain {plan.failure_domain}, restarts so far {plan.restart_count}"
+        )
+        print(shlex.join(argv))
+        return 0
+    os.execvpe(argv[0], argv, child_env)
+    return 0  # not reached

@@ -1,0 +1,104 @@
+"""``pretrain launch`` in --dry-run with pod-like and Slurm-like environments, and its bad inputs."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pretrain.entrypoint import LaunchError, check_flags, first_slurm_host
+from tests.helpers import PYTHON, TINY
+
+
+def _launch(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": os.environ["PATH"], "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [PYTHON, "-m", "pretrain", "launch", "--config", str(TINY), "--nproc-per-node", "8", "--dry-run", *extra],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        timeout=120,
+    )
+
+
+def test_pod_environment(tmp_path: Path) -> None:
+    out = _launch(
+        {
+            "HOSTNAME": "pretrain-3",
+            "NNODES": "4",
+            "RDZV_HOST": "pretrain-0.pretrain",
+            "NODE_NAME": "ip-10-1",
+            "FAILURE_DOMAIN": "us-east-1b",
+            "LOCAL_NVME": str(tmp_path),
+            "RUN_ID": "gpt-8b-001",
+        }
+    )
+    assert out.returncode == 0, out.stderr
+    cmd = shlex.split(out.stdout.splitlines()[-1])
+    assert cmd[0].endswith("ft_launcher")
+    assert {
+        "--nnodes=4",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=pretrain-0.pretrain:29500",
+        "--rdzv-id=gpt-8b-001",
+        "--max-restarts=3",
+    } <= set(cmd)
+    assert "kubernetes: node 3/4" in out.stdout and "domain us-east-1b" in out.stdout
+    assert cmd[cmd.index("-m") : cmd.index("-m") + 3] == ["-m", "pretrain", "train"]
+    assert f"checkpoint.local.dir={tmp_path}" in cmd and "run.id=gpt-8b-001" in cmd
+
+
+def test_slurm_environment(tmp_path: Path) -> None:
+    out = _launch(
+        {
+            "SLURM_JOB_ID": "42",
+            "SLURM_NNODES": "3",
+            "SLURM_NODEID": "2",
+            "SLURMD_NODENAME": "gpu005",
+            "SLURM_JOB_NODELIST": "gpu[003-005]",
+            "SLURM_RESTART_COUNT": "1",
+            "LOCAL_NVME": str(tmp_path),
+        }
+    )
+    assert out.returncode == 0, out.stderr
+    cmd = shlex.split(out.stdout.splitlines()[-1])
+    assert "--rdzv-endpoint=gpu003:29500" in cmd and "--nnodes=3" in cmd
+    assert "slurm: node 2/3" in out.stdout and "restarts so far 1" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"HOSTNAME": "trainer", "NNODES": "2"}, "has no StatefulSet ordinal"),
+        ({"HOSTNAME": "pretrain-5", "NNODES": "4"}, "node rank 5 is not below the number of nodes 4"),
+        ({"HOSTNAME": "pretrain-0"}, "NNODES is not set"),
+        ({"HOSTNAME": "pretrain-0", "NNODES": "two"}, "NNODES='two' is not an integer"),
+        ({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": "/nonexistent/nvme"}, "does not exist"),
+        ({"HOSTNAME": "pretrain-0", "NNODES": "1"}, "LOCAL_NVME is not set"),
+        ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2"}, "SLURM_NODEID is not set"),
+    ],
+)
+def test_bad_launch_environments_fail_in_one_line(env: dict[str, str], needle: str) -> None:
+    out = _launch(env)
+    assert out.returncode == 2
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], out.stderr
+
+
+def test_unsupported_flag_fails_fast(tmp_path: Path) -> None:
+    fake = tmp_path / "ft_launcher"
+    fake.write_text("#!/bin/sh\necho '  --nnodes NNODES'\necho '  --max-restarts MAX_RESTARTS'\n")
+    fake.chmod(0o755)
+    with pytest.raises(LaunchError) as err:
+        check_flags(str(fake), [str(fake), "--nnodes=2", "--max-restarts=3", "--rdzv-backend=c10d", "-m", "x"])
+    assert "does not accept --rdzv-backend" in str(err.value)
+
+
+def test_nodelists() -> None:
+    assert first_slurm_host("gpu[003-005,007],cpu01") == "gpu003"
+    assert first_slurm_host("node7") == "node7"
+    assert first_slurm_host("a-b[10-11]") == "a-b10"
