@@ -39,21 +39,15 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
+def torchrun_prefix(nproc: int) -> list[str]:
+    """``torchrun --standalone`` for ``nproc`` local ranks, with this interpreter."""
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
 def torchrun(
     tmp: Path, nproc: int, overrides: list[str], config: Path = TINY, timeout: int = 300, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "pretrain",
-        "train",
-        "--config",
-        str(config),
-    ]
+    cmd = [*torchrun_prefix(nproc), "-m", "pretrain", "train", "--config", str(config)]
     for item in overrides:
         cmd += ["--set", item]
     return run(cmd, tmp, timeout, check)
@@ -172,16 +166,7 @@ def two_node_launch(
 
 def probe_restore(tmp: Path, nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess[str]:
     """Restore the newest step into the topology of ``overrides`` and re-save it (tests/probe_restore.py)."""
-    cmd = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(REPO / "tests" / "probe_restore.py"),
-        str(TINY),
-        *overrides,
-    ]
+    cmd = [*torchrun_prefix(nproc), str(REPO / "tests" / "probe_restore.py"), str(TINY), *overrides]
     return run(cmd, tmp, timeout=timeout, check=True)
 
 

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from tiering.collective import Collective
-from tiering.errors import PublishError
+from tiering.errors import PublishError, ReplicaRejected
 from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree, sha256_file
 from tiering.layout import RunLayout, step_name
-from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
 from tiering.verify import committed_marker
 
 log = logging.getLogger(__name__)
@@ -106,27 +106,37 @@ class PosixStepPublisher:
         raw = manifest.to_json()
         with open(tmp / MANIFEST_NAME, "xb") as fh:
             fh.write(raw)
-        fsync_tree(tmp)
-        final = self.layout.step_dir(manifest.step)
-        if final.exists():
-            raise PublishError(f"{final}: step already published; refusing to overwrite")
-        os.rename(tmp, final)
-        try:
-            fsync_dir(final.parent)
-            atomic_write_bytes(final / COMMITTED_NAME, committed_marker(manifest.step, raw))
-        except OSError:
-            # Not committed: move it back so abort() removes it and no half-published step stays.
-            os.rename(final, tmp)
-            raise
-        try:
-            write_latest(self.layout, manifest.step)
-        except OSError as exc:  # the step is committed; latest.json is only a hint
-            log.warning(
-                "%s: could not update latest.json (%s); step %d is committed, restore scans steps anyway",
-                self.layout.latest_path,
-                exc.strerror or exc,
-                manifest.step,
-            )
+        publish_dir(self.layout, tmp, manifest.step, raw)
+
+
+def publish_dir(layout: RunLayout, tmp: Path, step: int, manifest_raw: bytes) -> Path:
+    """Make a fully written temporary directory (files + ``manifest.json``) the published step.
+
+    fsync everything, rename atomically (never over a published step), write ``COMMITTED`` bound
+    to the manifest, then replace ``latest.json``. If the marker cannot be written the directory is
+    moved back to ``tmp``, so no half-published step stays visible.
+    """
+    fsync_tree(tmp)
+    final = layout.step_dir(step)
+    if final.exists():
+        raise PublishError(f"{final}: step already published; refusing to overwrite")
+    os.rename(tmp, final)
+    try:
+        fsync_dir(final.parent)
+        atomic_write_bytes(final / COMMITTED_NAME, committed_marker(step, manifest_raw))
+    except OSError:
+        os.rename(final, tmp)
+        raise
+    try:
+        write_latest(layout, step)
+    except OSError as exc:  # the step is committed; latest.json is only a hint
+        log.warning(
+            "%s: could not update latest.json (%s); step %d is committed, restore scans steps anyway",
+            layout.latest_path,
+            exc.strerror or exc,
+            step,
+        )
+    return final
 
 
 def write_latest(layout: RunLayout, step: int) -> None:
@@ -166,11 +176,6 @@ def publish_received(
     against the run, step and owner the sender claims) before anything is published; a mismatch
     raises :class:`ReplicaRejected` and nothing is written.
     """
-    import hashlib
-
-    from tiering.errors import ReplicaRejected
-    from tiering.manifest import check_relative_path
-
     final = layout.step_dir(expect_step)
     where = final / MANIFEST_NAME
     manifest = Manifest.from_json(manifest_raw, where)
@@ -215,13 +220,8 @@ def publish_received(
                 fh.write(data)
         with open(tmp / MANIFEST_NAME, "xb") as fh:
             fh.write(manifest_raw)
-        fsync_tree(tmp)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
-        atomic_write_bytes(final / COMMITTED_NAME, committed_marker(expect_step, manifest_raw))
+        publish_dir(layout, tmp, expect_step, manifest_raw)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    with contextlib.suppress(OSError):  # latest.json is only a hint
-        write_latest(layout, expect_step)
     return manifest

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.errors import CheckpointError, VerificationError
-from tiering.fsio import fsync_dir
+from tiering.fsio import fsync_dir, fsync_tree
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed
@@ -235,8 +235,6 @@ class RemoteTier:
                     exc.reason,
                     "the step is skipped; an older verified step is used",
                 ) from exc
-            from tiering.fsio import fsync_tree
-
             fsync_tree(tmp)
             os.rename(tmp, final)
             fsync_dir(final.parent)

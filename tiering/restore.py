@@ -28,7 +28,7 @@ def select_newest_verified(tier: Tier, coll: Collective) -> Selection | None:
     of each candidate's files in parallel; a step any rank rejects is quarantined by rank 0 with
     the first reason and the scan falls back to the next older step.
     """
-    candidates: list[int] = coll.broadcast(tier.step_dirs() if coll.rank == 0 else None)  # type: ignore[attr-defined]
+    candidates: list[int] = coll.broadcast(tier.step_dirs() if coll.rank == 0 else None)
     rejected: list[tuple[int, str]] = []
     for step in candidates:
         reason = None

@@ -11,6 +11,10 @@ from tiering.manifest import Manifest
 class Tier(Protocol):
     name: str
 
+    def step_dirs(self) -> list[int]:
+        """Every published-looking step, newest first (marker not checked)."""
+        ...
+
     def committed_steps(self) -> list[int]:
         """Steps that look published (newest first); not yet verified."""
         ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -14,8 +15,6 @@ from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 
 def committed_marker(step: int, manifest_bytes: bytes) -> bytes:
     """The ``COMMITTED`` content binds the marker to exactly one manifest."""
-    import hashlib
-
     body = {"step": step, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
     return (json.dumps(body, sort_keys=True) + "\n").encode()
 

@@ -23,13 +23,12 @@ from pretrain.checkpointing.state import (
     TrainingState,
     apply_trainer_state,
     one_line,
-    restore_rank_rng,
     step_manifest,
     trainer_state,
 )
 from pretrain.config import Config, ConfigError
 from pretrain.ft import launcher_restart_count
-from pretrain.rank_state import rank_state
+from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.errors import PublishError
 from tiering.fsio import dir_size
@@ -194,7 +193,7 @@ class PerRankCheckpoints:
         apply_trainer_state(state, payload["trainer"], restore.path / STATE_FILE)
         state.model.load_state_dict(payload["model"], strict=True)
         state.optimizer.load_local_state_dict(payload["optimizer"])
-        restore_rank_rng(payload["rank_state"]["rng"])
+        restore_rng(payload["rank_state"]["rng"])
 
     def step_bytes(self, step: int) -> int:
         return dir_size(self.store.step_path(step))

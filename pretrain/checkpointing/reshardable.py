@@ -31,12 +31,11 @@ from pretrain.checkpointing.state import (
     apply_trainer_state,
     one_line,
     reseed_after_reshard,
-    restore_rank_rng,
     step_manifest,
     trainer_state,
 )
 from pretrain.config import Config
-from pretrain.rank_state import rank_state
+from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective
 from tiering.local import LocalTier
 from tiering.publish import PosixStepPublisher
@@ -135,7 +134,7 @@ class ReshardableCheckpoints:
         """Per-rank RNG when the topology is unchanged; otherwise a deterministic re-seed."""
         rank_file = path / "rank-state" / f"rank-{self.coll.rank:05d}.pt"
         if trainer["topology"] == state.topology and rank_file.is_file():
-            restore_rank_rng(torch.load(rank_file, map_location="cpu", weights_only=True)["rng"])
+            restore_rng(torch.load(rank_file, map_location="cpu", weights_only=True)["rng"])
             return True
         if self.coll.rank == 0:
             log.warning(

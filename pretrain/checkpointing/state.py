@@ -12,7 +12,7 @@ import torch
 from pretrain.config import Config
 from pretrain.data.dataset import GlobalBatchSampler
 from pretrain.optim import TrainOptimizer
-from pretrain.rank_state import restore_rng, seed_everything
+from pretrain.rank_state import seed_everything
 from pretrain.versions import code_version, framework_versions
 from tiering.manifest import Manifest
 from tiering.publish import manifest_for
@@ -131,10 +131,6 @@ def check_compatible(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
 def reseed_after_reshard(cfg: Config, step: int, rank: int) -> None:
     """Per-rank RNG streams cannot be carried to another topology: re-seed deterministically."""
     seed_everything(cfg.train.seed + 7919 * step + rank)
-
-
-def restore_rank_rng(rng: dict[str, Any]) -> None:
-    restore_rng(rng)
 
 
 def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **extra: Any) -> Manifest:
