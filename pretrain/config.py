@@ -171,6 +171,11 @@ class FaultInjectionConfig:
 class FaultToleranceConfig:
     # Send NVRx RankMonitorClient heartbeats when launched under ft_launcher.
     enabled: bool = True
+    # Signals that mean "save and leave": SIGTERM (Kubernetes, ft_launcher shutdown), SIGUSR1 (Slurm --signal).
+    preemption_signals: str = "SIGTERM,SIGUSR1"
+    # Seconds from the signal to a published emergency tier-1 step; past it the rank exits without one.
+    # Keep it below the grace period (terminationGracePeriodSeconds, Slurm KillWait, --workers-stop-timeout).
+    emergency_save_timeout: float = 30.0
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
@@ -441,7 +446,16 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
         fail("checkpoint.replication.timeout_s", "must be > 0", "give a bound in seconds")
     if not cfg.checkpoint.local.enabled and not cfg.checkpoint.reshardable.enabled:
         fail("checkpoint.local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
-    inj = cfg.fault_tolerance.inject
+    ft = cfg.fault_tolerance
+    if ft.emergency_save_timeout <= 0:
+        fail("fault_tolerance.emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
+    try:
+        from pretrain.preemption import parse_signals
+
+        parse_signals(ft.preemption_signals)
+    except ValueError as exc:
+        fail("fault_tolerance.preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
+    inj = ft.inject
     if inj.kill_rank >= world_size:
         fail(
             "fault_tolerance.inject.kill_rank",

@@ -11,7 +11,10 @@ input fails at start with one line naming what is wrong and how to fix it.
   ``fieldRef: metadata.name`` gives a name, not an integer; ``NNODES`` (the replica count) and
   ``RDZV_HOST`` (e.g. ``pretrain-0.pretrain``, the headless Service DNS name of pod 0).
 * Both: ``LOCAL_NVME`` (node-local checkpoint root, must exist and be writable), ``FAILURE_DOMAIN``
-  (rack/zone/switch; default: the node), ``RUN_ID`` (default: the config's ``run.id``).
+  (rack/zone/switch) or ``TOPOLOGY_FILE`` (``node domain`` lines, e.g. each node's leaf switch;
+  default: the node is its own domain), ``RUN_ID`` (default: the config's ``run.id``).
+  With a topology file, a job whose nodes all share one domain is refused (replicas would share
+  the failure they exist to survive) unless ``ALLOW_SAME_DOMAIN=1``.
 """
 
 from __future__ import annotations
@@ -44,16 +47,67 @@ class LaunchPlan:
     restart_count: int
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: ``gpu[003-005,007],cpu01`` -> ``gpu003``."""
-    first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not first or not first.group(1):
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """``gpu[003-005,007],cpu01`` -> ``[gpu003, gpu004, gpu005, gpu007, cpu01]`` (zero padding kept)."""
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
+        prefix, ranges = m.group(1), m.group(2)
+        if not ranges:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r}: bad range {part!r}; fix: run under sbatch/srun")
+            width = len(lo)
+            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    if not hosts:
         raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm nodelist; fix: run under sbatch/srun")
-    prefix, ranges = first.group(1), first.group(3)
-    if not ranges:
-        return prefix
-    start = ranges.split(",")[0].split("-")[0]
-    return prefix + start
+    return hosts
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: the rendezvous host."""
+    return expand_slurm_nodelist(nodelist)[0]
+
+
+def read_topology(path: str) -> dict[str, str]:
+    """``node domain`` per line (``#`` comments): the failure domain (switch, rack, zone) of each node."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise LaunchError(
+            f"TOPOLOGY_FILE={path}: cannot read it ({exc.strerror}); fix: point it at a readable file"
+        ) from exc
+    out = {}
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2:
+            raise LaunchError(f"{path}:{number}: expected 'node domain', got {line.strip()!r}; fix: one pair a line")
+        out[words[0]] = words[1]
+    return out
+
+
+def failure_domain_for(env: Mapping[str, str], node: str, job_nodes: list[str]) -> str:
+    if env.get("FAILURE_DOMAIN"):
+        return env["FAILURE_DOMAIN"]
+    path = env.get("TOPOLOGY_FILE")
+    if not path:
+        return node
+    topology = read_topology(path)
+    missing = [n for n in [node, *job_nodes] if n not in topology]
+    if missing:
+        raise LaunchError(f"{path}: node {missing[0]} has no failure domain; fix: add a line '{missing[0]} <domain>'")
+    domains = {topology[n] for n in job_nodes}
+    if len(job_nodes) > 1 and len(domains) == 1 and env.get("ALLOW_SAME_DOMAIN") != "1":
+        raise LaunchError(
+            f"{path} puts all {len(job_nodes)} nodes of this job in domain {domains.pop()!r}, so every replica "
+            "would share the failure it exists to survive; fix: spread the job across domains (sbatch "
+            "--switches / a different node set) or set ALLOW_SAME_DOMAIN=1 for a test"
+        )
+    return topology[node]
 
 
 def _int(env: Mapping[str, str], name: str, fix: str) -> int:
@@ -71,7 +125,8 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         platform = "slurm"
         nnodes = _int(env, "SLURM_NNODES", "run under sbatch with --nodes")
         node_rank = _int(env, "SLURM_NODEID", "start one launcher per node with srun --ntasks-per-node=1")
-        host = first_slurm_host(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
+        job_nodes = expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
+        host = job_nodes[0]
         node = env.get("SLURMD_NODENAME") or env.get("HOSTNAME", "")
         restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     else:
@@ -89,6 +144,7 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         nnodes = _int(env, "NNODES", "set NNODES to the StatefulSet's replica count")
         host = env.get("RDZV_HOST") or f"{m.group(1)}-0"
         node = env.get("NODE_NAME") or pod
+        job_nodes = [node]  # other pods' nodes are unknown here: the trainer's placement check covers them
         restarts = int(env.get("RESTART_COUNT", "0") or 0)
     if nnodes < 1:
         raise LaunchError(f"number of nodes is {nnodes}; fix: request at least one node")
@@ -115,7 +171,7 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         nnodes,
         f"{host}:{rdzv_port}",
         node,
-        env.get("FAILURE_DOMAIN") or node,
+        failure_domain_for(env, node, job_nodes),
         nvme,
         env.get("RUN_ID"),
         restarts,
@@ -123,7 +179,14 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
 
 
 def ft_launcher_argv(
-    plan: LaunchPlan, config: str, nproc: int, max_restarts: int, ft_config: str, launcher: str, extra_sets: list[str]
+    plan: LaunchPlan,
+    config: str,
+    nproc: int,
+    max_restarts: int,
+    ft_config: str,
+    launcher: str,
+    extra_sets: list[str],
+    workers_stop_timeout: int = 15,
 ) -> list[str]:
     run_id = plan.run_id or "job"
     cmd = [
@@ -135,7 +198,7 @@ def ft_launcher_argv(
         f"--rdzv-id={run_id}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=1",
-        "--workers-stop-timeout=15",
+        f"--workers-stop-timeout={workers_stop_timeout}",
         "--ft-enable-nic-monitor=false",
         f"--ft-cfg-path={ft_config}",
         "-m",
@@ -182,10 +245,16 @@ def launch(
     env: Mapping[str, str] | None = None,
     launcher: str | None = None,
 ) -> int:
+    from pretrain.config import load_config
+
     env = os.environ if env is None else env
     plan = plan_from_env(env)
+    # The config is checked here so a typo fails before any node starts; its emergency-save
+    # deadline sizes how long ft_launcher lets workers finish after SIGTERM.
+    cfg = load_config(config, extra_sets)
+    stop_timeout = int(cfg.fault_tolerance.emergency_save_timeout) + 10
     launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
-    argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets)
+    argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets, stop_timeout)
     check_flags(launcher, argv)
     child_env = {**env, "NODE_NAME": plan.node_name, "FAILURE_DOMAIN": plan.failure_domain}
     if dry_run:

@@ -22,6 +22,19 @@ def launcher_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def restart_counters() -> dict[str, object]:
+    """Every restart counter the environment knows, for the attempt record."""
+    env = os.environ
+    out: dict[str, object] = {"launcher_restart_count": launcher_restart_count()}
+    if env.get("SLURM_JOB_ID"):
+        out["slurm_job_id"] = env["SLURM_JOB_ID"]
+        out["slurm_restart_count"] = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        out["pod"] = env.get("HOSTNAME")
+        out["pod_restart_count"] = int(env.get("RESTART_COUNT", "0") or 0)
+    return out
+
+
 class Heartbeat:
     """Sends NVRx heartbeats when running under ``ft_launcher``; a no-op otherwise."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,9 +17,12 @@ import torch
 import torch.distributed as dist
 
 from pretrain import cpu_shims
+from pretrain.attempts import AttemptLog, record_failure
 from pretrain.config import Config, data_parallel_size, validate
-from pretrain.ft import Heartbeat, launcher_restart_count, maybe_inject_fault
-from pretrain.runlog import RunLog, append_jsonl
+from pretrain.failures import PreemptedError, classify
+from pretrain.ft import Heartbeat, launcher_restart_count, maybe_inject_fault, restart_counters
+from pretrain.preemption import PreemptionWatch, parse_signals
+from pretrain.runlog import RunLog, append_jsonl, run_dir
 
 log = logging.getLogger("pretrain")
 
@@ -89,7 +93,7 @@ class Session:
     heartbeat: Heartbeat
 
 
-def build_session(cfg: Config, rank: int, world: int) -> Session:
+def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
     """Parallel state, data, model, optimizer, scheduler and checkpoint manager (no restore yet)."""
     # Imports that pull in Megatron come after validation so that bad configs fail fast.
     from megatron.core import parallel_state
@@ -108,7 +112,6 @@ def build_session(cfg: Config, rank: int, world: int) -> Session:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
     coll = TorchCollective()
-    attempt = coll.broadcast(f"attempt-{launcher_restart_count():02d}-{uuid.uuid4().hex[:8]}")
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     dp = data_parallel_size(cfg, world)
     topology = {"tp": p.tp, "pp": p.pp, "dp": dp, "world_size": world}
@@ -190,12 +193,52 @@ def restore_latest(session: Session) -> Any:
 
 
 def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
+    """One attempt: open its record, run it, and leave evidence of how it ended."""
+    from tiering.collective import TorchCollective
+
+    coll = TorchCollective()
+    attempt = coll.broadcast(f"attempt-{launcher_restart_count():02d}-{uuid.uuid4().hex[:8]}")
+    hosts = coll.all_gather(socket.gethostname())
+    rdir = run_dir(cfg.run.dir, cfg.run.id)
+    attempts = AttemptLog(rdir, enabled=rank == 0)
+    attempts.begin(attempt, world, hosts, restart_counters())
+    ft = cfg.fault_tolerance
+
+    def deadline_passed(message: str) -> None:  # runs on the watchdog thread, just before os._exit
+        log.error("%s", message)
+        info = classify(PreemptedError(message))
+        record_failure(rdir, attempt, rank, info)
+        attempts.end("preempted", None, emergency=message)
+
+    watch = PreemptionWatch(parse_signals(ft.preemption_signals), ft.emergency_save_timeout, deadline_passed)
+    try:
+        return _run_attempt(cfg, rank, world, attempt, attempts, watch)
+    except BaseException as exc:
+        info = classify(exc)
+        record_failure(rdir, attempt, rank, info)
+        if not isinstance(exc, PreemptedError):
+            log.error("rank %d failed (%s): %s", rank, info.classification, info.exception)
+            # A rank 0 that only saw a peer vanish leaves the diagnosis to the next attempt.
+            attempts.end("failed", None, None if info.peer_lost else info)
+        raise
+    finally:
+        watch.uninstall()
+
+
+def _run_attempt(
+    cfg: Config, rank: int, world: int, attempt: str, attempts: AttemptLog, watch: PreemptionWatch
+) -> RunSummary:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from tiering.errors import PublishError
 
-    session = build_session(cfg, rank, world)
+    session = build_session(cfg, rank, world, attempt)
     restored = restore_latest(session)
+    attempts.restored(
+        restored.tier if restored else None,
+        restored.step if restored else None,
+        round(restored.seconds, 4) if restored else None,
+    )
     state, ddp, runlog, heartbeat = session.state, session.ddp, session.runlog, session.heartbeat
     optimizer, scheduler, sampler = state.optimizer, state.scheduler, state.sampler
     audit = DataAudit(cfg, rank) if cfg.data.audit else None
@@ -226,19 +269,23 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
         state.step = step
         state.consumed_samples += gbs
         state.consumed_tokens += gbs * seq
-        loss = _global_mean_loss(losses)
+        loss, leave = _reduce_step(losses, watch.requested)
         lr = optimizer.param_groups[0]["lr"]
         runlog.metrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, consumed_samples=state.consumed_samples)
         heartbeat.beat()
+        if step == first_step:
+            attempts.first_step(step)
         window_steps += 1
         if step % cfg.train.log_interval == 0 and rank == 0:
             now = time.perf_counter()
             tok_s = window_steps * gbs * seq / max(now - t_window, 1e-9)
             log.info("step %d | loss %.6f | grad norm %.4f | lr %.3e | %.0f tokens/s", step, loss, grad_norm, lr, tok_s)
             t_window, window_steps = now, 0
+        saved_local = False
         for tier in session.ckpt.due(step):
             try:
                 saved = session.ckpt.save(tier, state)
+                saved_local = saved_local or saved.tier == "local"
                 runlog.event(
                     "save",
                     tier=saved.tier,
@@ -248,6 +295,7 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
                     replication_seconds=saved.replication_seconds,
                     under_replicated=saved.under_replicated,
                 )
+                attempts.progress(step, **{f"last_saved_{saved.tier}": step})
                 if rank == 0:
                     extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
                     log.info(
@@ -264,9 +312,12 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
                 log.error("checkpoint at step %d failed: %s", step, exc)
                 runlog.event("save_failed", tier=tier.name, step=step, error=str(exc))
             heartbeat.beat()
+        if leave:
+            _leave_on_preemption(session, attempts, watch, saved_local)
     elapsed = time.perf_counter() - t_start
     done = state.step - first_step + 1
     runlog.event("finish", step=state.step, steps=done, seconds=elapsed)
+    attempts.end("succeeded", state.step)
     heartbeat.close()
     return RunSummary(
         session.attempt,
@@ -276,6 +327,33 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
         restored.seconds if restored else 0.0,
         done / elapsed if elapsed > 0 and done > 0 else 0.0,
     )
+
+
+def _leave_on_preemption(session: Session, attempts: AttemptLog, watch: PreemptionWatch, saved_local: bool) -> None:
+    """Collective (every rank agreed at this step boundary): emergency tier-1 save, then exit."""
+    from tiering.errors import PublishError
+
+    step = session.state.step
+    local = session.ckpt.local
+    published = saved_local
+    if local is None:
+        outcome = "tier 1 is disabled: no emergency save"
+    elif saved_local:
+        outcome = f"step {step} was just saved in tier 1"
+    else:
+        try:
+            saved = local.save(session.state, deadline=watch.deadline)
+            published = True
+            outcome = f"emergency save of step {step} published in {saved.seconds:.2f}s"
+        except PublishError as exc:
+            outcome = f"emergency save of step {step} not published ({exc})"
+    watch.finished()
+    if session.rank == 0:
+        log.warning("%s received: %s; exiting %d", watch.signal_name, outcome, PreemptedError.EXIT_CODE)
+    session.runlog.event("preempted", signal=watch.signal_name, step=step, published=published, outcome=outcome)
+    attempts.end("preempted", step, signal=watch.signal_name, emergency=outcome, emergency_published=published)
+    session.heartbeat.close()
+    raise PreemptedError(f"{watch.signal_name}: {outcome}")
 
 
 class DataAudit:
@@ -312,11 +390,14 @@ def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[to
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
-    """Mean micro-batch loss over the whole world (only last-stage ranks contribute)."""
-    total = torch.zeros(2, dtype=torch.float64)
+def _reduce_step(losses: list[dict[str, torch.Tensor]], leave: bool) -> tuple[float, bool]:
+    """Mean micro-batch loss over the world (only last-stage ranks contribute), and whether any
+    rank was asked to leave: one all-reduce, so every rank agrees on the step to stop at."""
+    total = torch.zeros(3, dtype=torch.float64)
     for item in losses or []:
         total[0] += float(item["lm loss"])
         total[1] += 1
+    total[2] = 1.0 if leave else 0.0
     dist.all_reduce(total)
-    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+    loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+    return loss, bool(total[2] > 0)

@@ -23,7 +23,7 @@ def main() -> int:
     cfg = load_config(sys.argv[1], overrides)
     cpu_shims.install()
     dist.init_process_group("gloo")
-    session = build_session(cfg, dist.get_rank(), dist.get_world_size())
+    session = build_session(cfg, dist.get_rank(), dist.get_world_size(), "probe")
     restored = restore_latest(session)
     assert restored is not None, "nothing to restore"
     out = cfg.checkpoint.reshardable.dir + "-resaved"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.entrypoint import LaunchError, check_flags, first_slurm_host
+from pretrain.entrypoint import LaunchError, check_flags, expand_slurm_nodelist, first_slurm_host
 from tests.helpers import PYTHON, TINY
 
 
@@ -102,3 +102,55 @@ def test_nodelists() -> None:
     assert first_slurm_host("gpu[003-005,007],cpu01") == "gpu003"
     assert first_slurm_host("node7") == "node7"
     assert first_slurm_host("a-b[10-11]") == "a-b10"
+
+
+def test_nodelist_expansion_keeps_padding() -> None:
+    assert expand_slurm_nodelist("gpu[003-005,007],cpu01") == ["gpu003", "gpu004", "gpu005", "gpu007", "cpu01"]
+    assert expand_slurm_nodelist("n[8-11]") == ["n8", "n9", "n10", "n11"]
+    with pytest.raises(LaunchError, match="bad range"):
+        expand_slurm_nodelist("gpu[a-b]")
+
+
+def _slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {
+        "SLURM_JOB_ID": "7",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURMD_NODENAME": "gpu02",
+        "LOCAL_NVME": str(tmp_path),
+        **extra,
+    }
+
+
+def test_failure_domain_from_a_topology_file(tmp_path: Path) -> None:
+    topo = tmp_path / "topology.txt"
+    topo.write_text("# node  leaf switch\ngpu01 leaf-a\ngpu02 leaf-b  # rack 2\n")
+    out = _launch(_slurm_env(tmp_path, TOPOLOGY_FILE=str(topo)))
+    assert out.returncode == 0, out.stderr
+    assert "node gpu02, domain leaf-b" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("topology", "needle"),
+    [
+        ("gpu01 leaf-a\ngpu02 leaf-a\n", "puts all 2 nodes of this job in domain 'leaf-a'"),
+        ("gpu01 leaf-a\n", "node gpu02 has no failure domain"),
+        ("gpu01 leaf-a extra\ngpu02 leaf-b\n", "expected 'node domain'"),
+    ],
+)
+def test_bad_topology_files_fail_at_start(tmp_path: Path, topology: str, needle: str) -> None:
+    topo = tmp_path / "topology.txt"
+    topo.write_text(topology)
+    out = _launch(_slurm_env(tmp_path, TOPOLOGY_FILE=str(topo)))
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert needle in lines[0] and "fix:" in lines[0] and str(topo) in lines[0]
+
+
+def test_workers_get_the_emergency_save_window(tmp_path: Path) -> None:
+    env = {"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": str(tmp_path)}
+    out = _launch(env, "--set", "fault_tolerance.emergency_save_timeout=50")
+    assert "--workers-stop-timeout=60" in shlex.split(out.stdout.splitlines()[-1])
+    bad = _launch(env, "--set", "train.stepz=3")
+    assert bad.returncode == 2 and "unknown key 'train.stepz'" in bad.stderr

@@ -108,24 +108,37 @@ class PerRankCheckpoints:
                 log.info("removed unfinished local save of an earlier attempt: %s", path)
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, state: TrainingState) -> SaveResult:
-        """Collective. Raises PublishError on every rank if any rank could not publish its step."""
+    def save(self, state: TrainingState, deadline: float | None = None) -> SaveResult:
+        """Collective. Raises PublishError on every rank if any rank could not publish its step.
+
+        All or nothing: a rank commits its part only when every rank wrote its own, so a step is
+        never half-present in tier 1. ``deadline`` (``time.monotonic()``) bounds an emergency save:
+        past it, nothing is published.
+        """
         t0 = time.perf_counter()
         error = None
         published: Path | None = None
+        tmp: Path | None = None
         try:
             tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
-            write_error = None
-            try:
-                torch.save(self._payload(state), tmp / STATE_FILE)
-            except Exception as exc:
-                write_error = one_line(exc)
-            manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-            self.publisher.commit(tmp, manifest, local_error=write_error)
-            self._last_bytes = manifest.total_bytes
-            published = self.store.step_path(state.step)
+            torch.save(self._payload(state), tmp / STATE_FILE)
         except (PublishError, OSError) as exc:
             error = str(exc)
+        except Exception as exc:
+            error = one_line(exc)
+        if error is None and deadline is not None and time.monotonic() > deadline:
+            error = "emergency save deadline passed before commit"
+        failed = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
+        if tmp is not None:
+            peer_error = f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
+            try:
+                manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+                self.publisher.commit(tmp, manifest, local_error=error or peer_error)
+                self._last_bytes = manifest.total_bytes
+                published = self.store.step_path(state.step)
+            except (PublishError, OSError) as exc:
+                error = error or str(exc)
+        if error:
             log.error("rank %d: local save of step %d failed: %s", self.rank, state.step, error)
         local_s = time.perf_counter() - t0
         report = self.replicator.replicate(state.step, published)

@@ -1,0 +1,270 @@
+"""Attempt records: ``<run.dir>/<run.id>/attempts/attempt-NN.json``, one file per attempt.
+
+Rank 0 creates the next free number with ``O_EXCL`` when an attempt starts, so a later attempt
+never overwrites an earlier record, and rewrites only its own file (atomically: temp + rename)
+as the attempt restores, takes its first step, saves and ends. A killed attempt cannot close its
+own record; the next attempt does, from the evidence the dead one left behind:
+
+* ``attempts/failures/<attempt id>.rank-NNNNN.json``: what a rank that caught an exception (or a
+  preemption signal) knew when it went down (:func:`record_failure`);
+* ``events.jsonl`` ``fault_injected`` lines (drills);
+* the tail of ``metrics.jsonl`` for the last step the attempt finished and when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.failures import Classification, FailureInfo
+
+ATTEMPT_GLOB = "attempt-*.json"
+_TAIL_BYTES = 1 << 20
+
+
+def attempts_dir(run_dir: Path) -> Path:
+    return run_dir / "attempts"
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """Every attempt record of a run, oldest first; unreadable files are reported, not skipped silently."""
+    out = []
+    for path in sorted(attempts_dir(run_dir).glob(ATTEMPT_GLOB)):
+        try:
+            out.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError) as exc:
+            out.append({"attempt": path.stem, "status": "unreadable", "error": f"{path}: {exc}"})
+    return out
+
+
+def record_failure(run_dir: Path, attempt_id: str, rank: int, info: FailureInfo) -> None:
+    """Any rank: leave evidence of how this rank's attempt ended (best effort, never raises)."""
+    try:
+        d = attempts_dir(run_dir) / "failures"
+        d.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(
+            d / f"{attempt_id}.rank-{rank:05d}.json",
+            {
+                "attempt_id": attempt_id,
+                "rank": rank,
+                "host": socket.gethostname(),
+                "time": time.time(),
+                **info.to_dict(),
+            },
+        )
+    except OSError:
+        pass
+
+
+def _last_progress(run_dir: Path, attempt_id: str) -> tuple[int | None, float | None]:
+    """(last finished step, its time) of an attempt, from the tail of metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - _TAIL_BYTES))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None, None
+    step, when = None, None
+    for line in tail.splitlines():
+        if f'"{attempt_id}"' not in line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("attempt") == attempt_id:
+            step, when = row["step"], row["time"]
+    return step, when
+
+
+def _injected_faults(run_dir: Path, attempt_id: str) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        if "fault_injected" in line and attempt_id in line:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("event") == "fault_injected" and row.get("attempt") == attempt_id:
+                out.append(row)
+    return out
+
+
+def diagnose(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """The first failure of an attempt that ended without closing its record, from its evidence."""
+    attempt_id = record["id"]
+    reports = []
+    for path in sorted((attempts_dir(run_dir) / "failures").glob(f"{attempt_id}.rank-*.json")):
+        try:
+            reports.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError):
+            continue
+    injected = _injected_faults(run_dir, attempt_id)
+    if injected:
+        first = injected[0]
+        sig = first.get("signal")
+        return {
+            "rank": first["rank"],
+            "exit_code": -9 if sig == "SIGKILL" else None,
+            "exception": None,
+            "classification": Classification.INFRASTRUCTURE.value,
+            "evidence": f"injected {sig} at step {first.get('step')}"
+            + (f" ({first['during']})" if first.get("during") else ""),
+            "reports": len(reports),
+        }
+    # A rank that raised on its own beats ranks that only saw their peer vanish.
+    own = [r for r in reports if not r.get("peer_lost")]
+    if own:
+        first = min(own, key=lambda r: r["time"])
+        return {
+            "rank": first["rank"],
+            "exit_code": first.get("exit_code"),
+            "exception": first.get("exception"),
+            "classification": first["classification"],
+            "evidence": f"rank {first['rank']} on {first.get('host')} reported it",
+            "reports": len(reports),
+        }
+    silent = sorted(set(range(int(record.get("world_size", 0)))) - {r["rank"] for r in reports})
+    return {
+        "rank": silent[0] if silent else None,
+        "exit_code": None,
+        "exception": None,
+        "classification": Classification.INFRASTRUCTURE.value,
+        "evidence": (
+            f"ranks {silent} ended without a report (killed, hung or lost)"
+            if silent
+            else "every rank ended without a report (the whole group was killed or lost)"
+        ),
+        "reports": len(reports),
+    }
+
+
+def needs_diagnosis(record: dict[str, Any]) -> bool:
+    """Died open, or closed by a rank 0 that only saw a peer vanish."""
+    return record.get("status") == "running" or (record.get("status") == "failed" and not record.get("failure"))
+
+
+class AttemptLog:
+    """Rank 0's record of the current attempt; other ranks hold a disabled instance."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.path: Path | None = None
+        self.record: dict[str, Any] = {}
+        self.previous: dict[str, Any] | None = None
+
+    def begin(self, attempt_id: str, world_size: int, hosts: list[str], restarts: dict[str, Any]) -> None:
+        """Close the previous record if it died open, then create the next ``attempt-NN.json``."""
+        if not self.enabled:
+            return
+        d = attempts_dir(self.run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        existing = read_attempts(self.run_dir)
+        self.previous = existing[-1] if existing else None
+        if self.previous is not None and needs_diagnosis(self.previous):
+            self._close_dead(self.previous)
+        number = len(existing) + 1
+        while True:
+            path = d / f"attempt-{number:02d}.json"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.close(fd)
+                break
+            except FileExistsError:
+                number += 1
+        self.path = path
+        self.record = {
+            "attempt": number,
+            "id": attempt_id,
+            "status": "running",
+            "started_at": time.time(),
+            "ended_at": None,
+            "world_size": world_size,
+            "hosts": sorted(set(hosts)),
+            "ranks_by_host": {h: [r for r, x in enumerate(hosts) if x == h] for h in sorted(set(hosts))},
+            **restarts,
+            "restored": None,
+            "lost_steps": None,
+            "first_step": None,
+            "last_step": None,
+            "time_to_first_step_seconds": None,
+            "rto_seconds": None,
+            "failure": None,
+        }
+        self._flush()
+
+    def _close_dead(self, prev: dict[str, Any]) -> None:
+        last_step, last_time = _last_progress(self.run_dir, prev["id"])
+        prev["status"] = "failed"
+        prev["failure"] = diagnose(self.run_dir, prev)
+        if last_step is not None:
+            prev["last_step"] = last_step
+        # the last sign of life: its last finished step (or its own end, if it recorded one)
+        prev["ended_at"] = max(t for t in (last_time, prev.get("ended_at"), prev.get("started_at")) if t)
+        prev["closed_by_next_attempt"] = True
+        _write_json_atomic(attempts_dir(self.run_dir) / f"attempt-{prev['attempt']:02d}.json", prev)
+
+    def restored(self, tier: str | None, step: int | None, seconds: float | None) -> None:
+        if not self.enabled:
+            return
+        self.record["restored"] = None if step is None else {"tier": tier, "step": step, "seconds": seconds}
+        prev_last = (self.previous or {}).get("last_step")
+        if prev_last is not None:
+            self.record["lost_steps"] = max(0, prev_last - (step or 0))
+        self._flush()
+
+    def first_step(self, step: int) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        self.record["first_step"] = step
+        self.record["time_to_first_step_seconds"] = round(now - self.record["started_at"], 3)
+        prev = self.previous or {}
+        if prev.get("ended_at"):
+            # recovery time objective: from the previous attempt's last sign of life to our first step
+            self.record["rto_seconds"] = round(now - prev["ended_at"], 3)
+        self._flush()
+
+    def progress(self, step: int, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        self.record["last_step"] = step
+        self.record.update(fields)
+        self._flush()
+
+    def end(self, status: str, step: int | None, failure: FailureInfo | None = None, **fields: Any) -> None:
+        if not self.enabled or self.path is None:
+            return
+        self.record.update(status=status, ended_at=time.time(), **fields)
+        if step is not None:
+            self.record["last_step"] = step
+        if failure is not None:
+            self.record["failure"] = {"rank": 0, **failure.to_dict()}
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.path is not None:
+            _write_json_atomic(self.path, self.record)

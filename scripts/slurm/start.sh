@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Start a one-node Slurm cluster (slurmctld + slurmd + munge) for the tests, by hand.
+# Usage: STATE=/some/dir scripts/slurm/start.sh; then export SLURM_CONF=$STATE/slurm.conf.
+# Needs root and Debian's slurmctld slurmd slurm-client munge (scripts/install-system-deps.sh).
+set -euo pipefail
+STATE=${STATE:?set STATE to a scratch directory}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$STATE"/{ctld,spool,log} /run/munge /etc/munge
+cpus=$(nproc)
+sed -e "s#@STATE@#$STATE#g" -e "s#@CPUS@#$cpus#g" \
+    -e "s#@CTLD_PORT@#${CTLD_PORT:-6817}#g" -e "s#@SLURMD_PORT@#${SLURMD_PORT:-6818}#g" \
+    "$here/slurm.conf.in" > "$STATE/slurm.conf"
+export SLURM_CONF=$STATE/slurm.conf
+# munge authenticates every Slurm RPC; a key is created once per machine.
+if [ ! -s /etc/munge/munge.key ]; then
+  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+fi
+chown -R munge:munge /etc/munge /run/munge
+chmod 0700 /etc/munge; chmod 0400 /etc/munge/munge.key; chmod 0755 /run/munge
+if ! { [ -f /run/munge/munged.pid ] && kill -0 "$(cat /run/munge/munged.pid)" 2>/dev/null; }; then
+  runuser -u munge -- /usr/sbin/munged
+fi
+munge -n | unmunge >/dev/null
+/usr/sbin/slurmctld -f "$SLURM_CONF"
+/usr/sbin/slurmd -f "$SLURM_CONF" -N localhost
+for _ in $(seq 1 300); do
+  sinfo -h -N -o '%T' 2>/dev/null | grep -Eq '^(idle|mixed)' && { echo "slurm up: $SLURM_CONF"; exit 0; }
+  sleep 0.1
+done
+echo "slurm did not come up; see $STATE/log/" >&2
+exit 1
