@@ -70,6 +70,12 @@ def record_failure(run_dir: Path, attempt_id: str, rank: int, info: FailureInfo)
         pass
 
 
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def _last_progress(run_dir: Path, attempt_id: str) -> tuple[int | None, float | None]:
     """(last finished step, its time) of an attempt, from the tail of metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
@@ -201,6 +207,7 @@ class AttemptLog:
             "id": attempt_id,
             "status": "running",
             "started_at": time.time(),
+            "process_started_at": _process_start(),
             "ended_at": None,
             "world_size": world_size,
             "hosts": sorted(set(hosts)),
@@ -241,7 +248,8 @@ class AttemptLog:
             return
         now = time.time()
         self.record["first_step"] = step
-        self.record["time_to_first_step_seconds"] = round(now - self.record["started_at"], 3)
+        # from the rank program's start (imports, process group, restore included) to a finished step
+        self.record["time_to_first_step_seconds"] = round(now - self.record["process_started_at"], 3)
         prev = self.previous or {}
         if prev.get("ended_at"):
             # recovery time objective: from the previous attempt's last sign of life to our first step

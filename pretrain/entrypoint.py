@@ -135,14 +135,21 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         if not pod:
             raise LaunchError("HOSTNAME (the pod name) is not set; fix: run in a StatefulSet pod or set POD_NAME")
         m = re.fullmatch(r"(.+)-(\d+)", pod)
-        if not m:
+        if env.get("NODE_RANK"):
+            # JobSet: pods are NAME-<job index>-<pod index>; the job index comes from the
+            # jobset.sigs.k8s.io/job-index annotation through the downward API.
+            node_rank = _int(env, "NODE_RANK", "map NODE_RANK from the jobset.sigs.k8s.io/job-index annotation")
+        elif m:
+            node_rank = int(m.group(2))
+        else:
             raise LaunchError(
                 f"pod name {pod!r} has no StatefulSet ordinal (expected NAME-N); fix: run the trainer "
-                "as a StatefulSet (or JobSet) so pods are named NAME-0, NAME-1, ..."
+                "as a StatefulSet so pods are named NAME-0, NAME-1, ... (or set NODE_RANK, as the JobSet does)"
             )
-        node_rank = int(m.group(2))
         nnodes = _int(env, "NNODES", "set NNODES to the StatefulSet's replica count")
-        host = env.get("RDZV_HOST") or f"{m.group(1)}-0"
+        if not env.get("RDZV_HOST") and not m:
+            raise LaunchError("RDZV_HOST is not set; fix: set it to the DNS name of the rank-0 pod")
+        host = env.get("RDZV_HOST") or f"{m.group(1)}-0"  # type: ignore[union-attr]
         node = env.get("NODE_NAME") or pod
         job_nodes = [node]  # other pods' nodes are unknown here: the trainer's placement check covers them
         restarts = int(env.get("RESTART_COUNT", "0") or 0)

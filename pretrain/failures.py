@@ -105,7 +105,9 @@ def classify(exc: BaseException) -> FailureInfo:
     dist_errors: tuple[type[BaseException], ...] = tuple(
         t for t in (getattr(dist, "DistError", None), getattr(dist, "DistBackendError", None)) if t
     )
-    peer_lost = any(m in lowered for m in _PEER_LOST_MARKERS)
+    # NVRx's RankMonitorClientError: the launcher-side monitor of this rank went away.
+    monitor_lost = type(exc).__name__ == "RankMonitorClientError"
+    peer_lost = monitor_lost or any(m in lowered for m in _PEER_LOST_MARKERS)
     if isinstance(exc, dist_errors) or peer_lost or isinstance(exc, (ConnectionError, TimeoutError)):
         return FailureInfo(Classification.INFRASTRUCTURE.value, message, 1, peer_lost=True, traceback_tail=tail)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS):

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from pretrain.config import Config
 
@@ -40,6 +41,9 @@ class Heartbeat:
 
     def __init__(self, cfg: Config) -> None:
         self.client = None
+        # Set by the trainer: true once a preemption signal arrived. Slurm and Kubernetes signal
+        # every process, so NVRx's rank monitor may die before this rank reaches its emergency save.
+        self.leaving: Callable[[], bool] = lambda: False
         if cfg.fault_tolerance.enabled and os.environ.get(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -52,8 +56,20 @@ class Heartbeat:
         return self.client is not None
 
     def beat(self) -> None:
-        if self.client is not None:
+        if self.client is None:
+            return
+        try:
             self.client.send_heartbeat()
+        except Exception:
+            # The monitor is gone. During a shutdown that is expected: stop beating and let the
+            # emergency save run. Otherwise it is an infrastructure failure of this rank.
+            for _ in range(20):  # the signal may trail the monitor's death by a few milliseconds
+                if self.leaving():
+                    log.warning("rank monitor gone during shutdown: heartbeats off")
+                    self.client = None
+                    return
+                time.sleep(0.05)
+            raise
 
     def close(self) -> None:
         if self.client is not None:

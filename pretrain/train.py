@@ -233,6 +233,7 @@ def _run_attempt(
     from tiering.errors import PublishError
 
     session = build_session(cfg, rank, world, attempt)
+    session.heartbeat.leaving = lambda: watch.requested
     restored = restore_latest(session)
     attempts.restored(
         restored.tier if restored else None,

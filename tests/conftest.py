@@ -72,3 +72,34 @@ def bucket(s3_endpoint: str) -> str:
     name = f"t-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():  # noqa: ANN201
+    """A real one-node Slurm cluster (slurmctld + slurmd + munge) for the session; yields the
+    environment (``SLURM_CONF``) that sbatch/scontrol need. Installed by ``make test``."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.helpers import REPO, free_port
+
+    if not (shutil.which("slurmctld") and shutil.which("sbatch") and shutil.which("munged")):
+        pytest.skip("no Slurm: install slurmctld slurmd slurm-client munge (scripts/install-system-deps.sh)")
+    if os.geteuid() != 0:
+        pytest.skip("the test Slurm cluster runs its daemons as root")
+    state = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
+    env = {**os.environ, "STATE": state, "CTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "slurm" / "start.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        subprocess.run([str(REPO / "scripts" / "slurm" / "stop.sh")], env=env, timeout=60)
+        pytest.fail(f"could not start Slurm: {proc.stdout[-800:]} {proc.stderr[-1500:]}")
+    env["SLURM_CONF"] = f"{state}/slurm.conf"
+    try:
+        yield env
+    finally:
+        subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
+        subprocess.run([str(REPO / "scripts" / "slurm" / "stop.sh")], env=env, timeout=60)

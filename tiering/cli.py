@@ -224,24 +224,45 @@ def _upload(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace) -> int:
+    """Download the newest verified S3 step unless the local tier already holds one as new.
+
+    ``--allow-none`` (the Kubernetes init container) exits 0 when there is nothing to restore or
+    the store is unreachable: the trainer then starts from its local/peer tiers or from step 0,
+    and retries S3 itself.
+    """
     from tiering.objectstore import ObjectStoreError, open_store
     from tiering.remote import RemoteTier
 
     store, prefix = open_store(args.uri, args.endpoint_url)
     remote = RemoteTier(store, prefix, args.run_id)
     layout = RunLayout(Path(args.to), args.run_id)
+    soft = 0 if args.allow_none else 1
+    local = LocalTier(Path(args.to), args.run_id)
+    local_best = next((s for s in local.committed_steps() if _verifies(layout.step_dir(s))), None)
     try:
+        remote_steps = remote.committed_steps()
+        if local_best is not None and (not remote_steps or remote_steps[0] <= local_best):
+            print(f"local step {local_best} in {layout.steps_dir} verifies and is as new as S3's; nothing to download")
+            return 0
         step, rejected = remote.restore_newest(layout, f"restore-{int(time.time())}")
     except ObjectStoreError as exc:
         print(f"tiering restore: {exc}", file=sys.stderr)
-        return 1
+        return soft
     for bad_step, reason in rejected:
         print(f"rejected step {bad_step}: {reason}")
     if step is None:
         print(f"tiering restore: no verified step of run {args.run_id} at {args.uri}", file=sys.stderr)
-        return 1
+        return soft
     print(f"restored step {step} -> {layout.step_dir(step)} (verified)")
     return 0
+
+
+def _verifies(step_dir: Path) -> bool:
+    try:
+        verify_step(step_dir)
+        return True
+    except VerificationError:
+        return False
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -285,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-id", required=True)
     r.add_argument("--to", required=True, help="local tier root; the step lands in <to>/<run id>/steps/")
     r.add_argument("--endpoint-url", default=None)
+    r.add_argument(
+        "--allow-none",
+        action="store_true",
+        help="exit 0 when S3 has no verified step or cannot be reached (init containers)",
+    )
     r.set_defaults(func=_restore)
     g = sub.add_parser("gc", help="retention on the object store (dry run unless --apply)")
     g.add_argument("--config", required=True)
