@@ -63,6 +63,17 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def _status(args: argparse.Namespace) -> int:
+    from pretrain.status import format_status, status_json
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"pretrain status: {run_dir}: no such directory; fix: pass <run.dir>/<run.id>", file=sys.stderr)
+        return 2
+    print(status_json(run_dir) if args.json else format_status(run_dir))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
     la.add_argument("--set", action="append", metavar="KEY=VALUE")
     la.set_defaults(func=_launch)
+
+    st = sub.add_parser("status", help="one line per attempt of a run: restores, lost steps, RTO, failures")
+    st.add_argument("run_dir", help="<run.dir>/<run.id>, e.g. runs/tiny-run")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_status)
 
     m = sub.add_parser("demo", help="2-rank CPU run under ft_launcher with one injected failure")
     m.add_argument("--config", default=None, help="config (default: the embedded tiny-cpu config)")

@@ -11,7 +11,7 @@ import boto3
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, TINY, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
+from tests.helpers import PYTHON, TINY, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
 from tiering.collective import SingleProcess
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
