@@ -181,6 +181,7 @@ class AttemptLog:
         self.path: Path | None = None
         self.record: dict[str, Any] = {}
         self.previous: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []  # earlier attempts, closed
 
     def begin(self, attempt_id: str, world_size: int, hosts: list[str], restarts: dict[str, Any]) -> None:
         """Close the previous record if it died open, then create the next ``attempt-NN.json``."""
@@ -192,6 +193,7 @@ class AttemptLog:
         self.previous = existing[-1] if existing else None
         if self.previous is not None and needs_diagnosis(self.previous):
             self._close_dead(self.previous)
+        self.history = existing
         number = len(existing) + 1
         while True:
             path = d / f"attempt-{number:02d}.json"

@@ -55,12 +55,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from pretrain.entrypoint import LaunchError, launch
+    from pretrain.job_policy import JobStopped
 
     try:
         return launch(args.config, args.nproc_per_node, args.max_restarts, args.ft_config, args.dry_run, args.set or [])
     except LaunchError as exc:
         print(f"launch error: {exc}", file=sys.stderr)
         return 2
+    except JobStopped as exc:
+        print(f"launch refused: {exc.message}", file=sys.stderr)
+        return int(exc.code)
 
 
 def _status(args: argparse.Namespace) -> int:

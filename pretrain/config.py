@@ -165,6 +165,12 @@ class FaultInjectionConfig:
     # This rank stops making progress (a hang) at hang_at_step; ft_launcher's heartbeat timeout must catch it
     hang_rank: int = -1
     hang_at_step: int = -1
+    # Apply kill_*/hang_* on every attempt, not just the launcher's first (a fault that repeats).
+    every_attempt: bool = False
+    # Raise a (user-code) RuntimeError on every rank at this step, on every attempt.
+    raise_at_step: int = -1
+    # After restoring this step, overwrite a weight with NaN (a checkpoint that verifies but is poisoned).
+    poison_restored_step: int = -1
 
 
 @dataclass
@@ -176,7 +182,23 @@ class FaultToleranceConfig:
     # Seconds from the signal to a published emergency tier-1 step; past it the rank exits without one.
     # Keep it below the grace period (terminationGracePeriodSeconds, Slurm KillWait, --workers-stop-timeout).
     emergency_save_timeout: float = 30.0
+    # Stop the job (attempts/STOP.json) after this many attempts in a row that failed without
+    # committing a step newer than the one they restored.
+    max_consecutive_failures_without_progress: int = 3
+    # A NaN/Inf loss or grad norm fails the step; within this many steps after a restore it marks
+    # the restored step as poisoned: quarantined everywhere, the next restore uses an older one.
+    check_finite: bool = True
+    poison_window: int = 20
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+
+
+@dataclass
+class MetricsConfig:
+    """Prometheus exporter of rank 0 (``/metrics``); a busy port only warns, never stops training."""
+
+    enabled: bool = True
+    host: str = "0.0.0.0"
+    port: int = 9400
 
 
 @dataclass
@@ -190,6 +212,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
     def to_dict(self) -> dict[str, Any]:
@@ -446,7 +469,15 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
         fail("checkpoint.replication.timeout_s", "must be > 0", "give a bound in seconds")
     if not cfg.checkpoint.local.enabled and not cfg.checkpoint.reshardable.enabled:
         fail("checkpoint.local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
+    if not 0 < cfg.metrics.port < 65536:
+        fail("metrics.port", f"{cfg.metrics.port} is not a TCP port", "use 1-65535 (or metrics.enabled: false)")
     ft = cfg.fault_tolerance
+    if ft.max_consecutive_failures_without_progress < 1 or ft.poison_window < 0:
+        fail(
+            "fault_tolerance.max_consecutive_failures_without_progress",
+            "must be >= 1 (and poison_window >= 0)",
+            "give a positive number of attempts",
+        )
     if ft.emergency_save_timeout <= 0:
         fail("fault_tolerance.emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
     try:

@@ -253,12 +253,16 @@ def launch(
     launcher: str | None = None,
 ) -> int:
     from pretrain.config import load_config
+    from pretrain.job_policy import refuse_if_stopped
+    from pretrain.runlog import run_dir
 
     env = os.environ if env is None else env
     plan = plan_from_env(env)
     # The config is checked here so a typo fails before any node starts; its emergency-save
     # deadline sizes how long ft_launcher lets workers finish after SIGTERM.
     cfg = load_config(config, extra_sets)
+    # A run stopped for a failure that would repeat must not be restarted by a requeue or a pod restart.
+    refuse_if_stopped(run_dir(cfg.run.dir, plan.run_id or cfg.run.id))
     stop_timeout = int(cfg.fault_tolerance.emergency_save_timeout) + 10
     launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets, stop_timeout)

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 from pretrain.config import Config
 
@@ -81,12 +82,26 @@ def maybe_inject_fault(cfg: Config, rank: int, step: int, record, node: str | No
     """SIGKILL this rank (or every rank of a node) at the configured step, on the first attempt only."""
     inj = cfg.fault_tolerance.inject
     chosen = inj.kill_rank == rank or (inj.kill_node is not None and inj.kill_node == node)
-    if chosen and inj.kill_at_step == step and launcher_restart_count() == 0:
+    first = launcher_restart_count() == 0 or inj.every_attempt
+    if inj.raise_at_step == step:
+        raise RuntimeError(f"injected user-code error at step {step}")
+    if chosen and inj.kill_at_step == step and first:
         record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL", node=node)
         log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
         os.kill(os.getpid(), signal.SIGKILL)
-    if inj.hang_rank == rank and inj.hang_at_step == step and launcher_restart_count() == 0:
+    if inj.hang_rank == rank and inj.hang_at_step == step and first:
         record("fault_injected", force=True, rank=rank, step=step, signal="hang", node=node)
         log.warning("fault injection: rank %d hangs at step %d (no more heartbeats)", rank, step)
         while True:  # a hang: alive, silent, holding its peers in the next collective
             time.sleep(3600)
+
+
+def maybe_poison_restored(cfg: Config, restored_step: int, model: Any) -> None:
+    """Drill: a checkpoint that verifies but is poisoned (a NaN weight), every time it is restored."""
+    if cfg.fault_tolerance.inject.poison_restored_step != restored_step:
+        return
+    import torch
+
+    log.warning("fault injection: step %d restored with a NaN weight", restored_step)
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.numel() > 0).view(-1)[0] = float("nan")

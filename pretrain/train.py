@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import time
@@ -19,8 +20,17 @@ import torch.distributed as dist
 from pretrain import cpu_shims
 from pretrain.attempts import AttemptLog, record_failure
 from pretrain.config import Config, data_parallel_size, validate
-from pretrain.failures import PreemptedError, classify
-from pretrain.ft import Heartbeat, launcher_restart_count, maybe_inject_fault, restart_counters
+from pretrain.failures import NonFiniteError, PreemptedError, classify
+from pretrain.ft import Heartbeat, launcher_restart_count, maybe_inject_fault, maybe_poison_restored, restart_counters
+from pretrain.job_policy import (
+    JobStopped,
+    confirmed_deterministic,
+    failures_without_progress,
+    refuse_if_stopped,
+    stop_local_launcher,
+    write_stop,
+)
+from pretrain.metrics import TrainingMetrics
 from pretrain.preemption import PreemptionWatch, parse_signals
 from pretrain.runlog import RunLog, append_jsonl, run_dir
 
@@ -192,47 +202,110 @@ def restore_latest(session: Session) -> Any:
     return restored
 
 
+@dataclass
+class AttemptContext:
+    """What one attempt carries besides the session: its record, signals, metrics and history."""
+
+    id: str
+    run_dir: Path
+    records: AttemptLog
+    watch: PreemptionWatch
+    metrics: TrainingMetrics
+    previous_failure: dict[str, Any] | None
+
+
 def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
-    """One attempt: open its record, run it, and leave evidence of how it ended."""
+    """One attempt: open its record, decide whether it may run, run it, leave evidence of its end."""
+    from pretrain.metrics import MetricsServer
     from tiering.collective import TorchCollective
 
     coll = TorchCollective()
     attempt = coll.broadcast(f"attempt-{launcher_restart_count():02d}-{uuid.uuid4().hex[:8]}")
     hosts = coll.all_gather(socket.gethostname())
     rdir = run_dir(cfg.run.dir, cfg.run.id)
-    attempts = AttemptLog(rdir, enabled=rank == 0)
-    attempts.begin(attempt, world, hosts, restart_counters())
     ft = cfg.fault_tolerance
+    refused = None
+    if rank == 0:
+        try:
+            refuse_if_stopped(rdir)
+        except JobStopped as exc:
+            refused = exc.message
+    refused = coll.broadcast(refused)
+    if refused:
+        log.error("%s", refused)
+        raise JobStopped(refused)
+    records = AttemptLog(rdir, enabled=rank == 0)
+    records.begin(attempt, world, hosts, restart_counters())
+    decision = None
+    if rank == 0:
+        stalled = failures_without_progress(records.history)
+        if stalled >= ft.max_consecutive_failures_without_progress:
+            last = (records.history[-1].get("failure") or {}) if records.history else {}
+            decision = (
+                f"{stalled} attempts in a row failed without committing a new checkpoint "
+                f"(fault_tolerance.max_consecutive_failures_without_progress={ft.max_consecutive_failures_without_progress};"
+                f" last failure: {last.get('classification')}: {last.get('exception') or last.get('evidence')})"
+            )
+            write_stop(rdir, decision, attempt=records.record.get("attempt"))
+            records.end("stopped", None, stop_reason=decision)
+    decision = coll.broadcast(decision)
+    if decision:
+        log.error("stopping the job: %s", decision)
+        if _env_int("LOCAL_RANK", 0) == 0:
+            stop_local_launcher()
+        raise JobStopped(decision)
+    previous_failure = coll.broadcast((records.previous or {}).get("failure") if rank == 0 else None)
 
     def deadline_passed(message: str) -> None:  # runs on the watchdog thread, just before os._exit
         log.error("%s", message)
-        info = classify(PreemptedError(message))
-        record_failure(rdir, attempt, rank, info)
-        attempts.end("preempted", None, emergency=message)
+        record_failure(rdir, attempt, rank, classify(PreemptedError(message)))
+        records.end("preempted", None, emergency=message)
 
     watch = PreemptionWatch(parse_signals(ft.preemption_signals), ft.emergency_save_timeout, deadline_passed)
+    metrics = TrainingMetrics(cfg.run.id)
+    server = None
+    if rank == 0:
+        metrics.from_history(records.history)
+        if cfg.metrics.enabled:
+            try:
+                server = MetricsServer(metrics, cfg.metrics.host, cfg.metrics.port)
+            except OSError as exc:  # metrics must never stop training
+                log.warning(
+                    "metrics: cannot serve on %s:%d (%s); continuing without", cfg.metrics.host, cfg.metrics.port, exc
+                )
+    ctx = AttemptContext(attempt, rdir, records, watch, metrics, previous_failure)
     try:
-        return _run_attempt(cfg, rank, world, attempt, attempts, watch)
+        return _run_attempt(cfg, rank, world, ctx)
+    except JobStopped:
+        raise
     except BaseException as exc:
         info = classify(exc)
         record_failure(rdir, attempt, rank, info)
-        if not isinstance(exc, PreemptedError):
-            log.error("rank %d failed (%s): %s", rank, info.classification, info.exception)
-            # A rank 0 that only saw a peer vanish leaves the diagnosis to the next attempt.
-            attempts.end("failed", None, None if info.peer_lost else info)
+        if isinstance(exc, PreemptedError):
+            raise
+        log.error("rank %d failed (%s): %s", rank, info.classification, info.exception)
+        # A rank 0 that only saw a peer vanish leaves the diagnosis to the next attempt.
+        records.end("failed", None, None if info.peer_lost else info)
+        if confirmed_deterministic(info, previous_failure):
+            reason = f"the same {info.classification} error ended two attempts in a row: {info.exception}"
+            log.error("not retrying: %s", reason)
+            write_stop(rdir, reason, rank=rank)
+            stop_local_launcher()
+            raise JobStopped(reason) from exc
         raise
     finally:
         watch.uninstall()
+        if server is not None:
+            server.close()
 
 
-def _run_attempt(
-    cfg: Config, rank: int, world: int, attempt: str, attempts: AttemptLog, watch: PreemptionWatch
-) -> RunSummary:
+def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> RunSummary:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from tiering.errors import PublishError
 
-    session = build_session(cfg, rank, world, attempt)
+    attempts, watch, metrics = ctx.records, ctx.watch, ctx.metrics
+    session = build_session(cfg, rank, world, ctx.id)
     session.heartbeat.leaving = lambda: watch.requested
     restored = restore_latest(session)
     attempts.restored(
@@ -240,6 +313,11 @@ def _run_attempt(
         restored.step if restored else None,
         round(restored.seconds, 4) if restored else None,
     )
+    if restored is not None:
+        metrics.loaded(restored.tier, restored.seconds)
+        maybe_poison_restored(cfg, restored.step, session.state.model)
+    metrics.tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length
+    metrics.planned_interval_steps = session.ckpt.planned_intervals()
     state, ddp, runlog, heartbeat = session.state, session.ddp, session.runlog, session.heartbeat
     optimizer, scheduler, sampler = state.optimizer, state.scheduler, state.sampler
     audit = DataAudit(cfg, rank) if cfg.data.audit else None
@@ -274,8 +352,12 @@ def _run_attempt(
         lr = optimizer.param_groups[0]["lr"]
         runlog.metrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, consumed_samples=state.consumed_samples)
         heartbeat.beat()
+        metrics.stepped(step)
+        if cfg.fault_tolerance.check_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            _non_finite(session, restored, step, loss, grad_norm)
         if step == first_step:
             attempts.first_step(step)
+            metrics.recovered(attempts.record.get("lost_steps"), attempts.record.get("rto_seconds"))
         window_steps += 1
         if step % cfg.train.log_interval == 0 and rank == 0:
             now = time.perf_counter()
@@ -287,6 +369,7 @@ def _run_attempt(
             try:
                 saved = session.ckpt.save(tier, state)
                 saved_local = saved_local or saved.tier == "local"
+                metrics.saved(saved.tier, saved.seconds)
                 runlog.event(
                     "save",
                     tier=saved.tier,
@@ -312,6 +395,7 @@ def _run_attempt(
                 # and the next interval tries again.
                 log.error("checkpoint at step %d failed: %s", step, exc)
                 runlog.event("save_failed", tier=tier.name, step=step, error=str(exc))
+                metrics.save_failed(tier.name)
             heartbeat.beat()
         if leave:
             _leave_on_preemption(session, attempts, watch, saved_local)
@@ -328,6 +412,22 @@ def _run_attempt(
         restored.seconds if restored else 0.0,
         done / elapsed if elapsed > 0 and done > 0 else 0.0,
     )
+
+
+def _non_finite(session: Session, restored: Any, step: int, loss: float, grad_norm: float) -> None:
+    """Fail the step; a NaN/Inf soon after a restore marks the restored step as poisoned."""
+    what, value = ("loss", loss) if not math.isfinite(loss) else ("grad norm", grad_norm)
+    window = session.cfg.fault_tolerance.poison_window
+    if restored is not None and step - restored.step <= window:
+        reason = (
+            f"{what} became {value} at step {step}, {step - restored.step} steps after restoring step "
+            f"{restored.step} from tier {restored.tier} (fault_tolerance.poison_window={window}): suspect checkpoint"
+        )
+        moved = session.ckpt.quarantine_everywhere(restored.step, reason)
+        session.runlog.event("poisoned_checkpoint", step=restored.step, tier=restored.tier, at_step=step, moved=moved)
+        if session.rank == 0:
+            log.error("quarantined step %d everywhere (%s); the next restore uses an older step", restored.step, reason)
+    raise NonFiniteError(step, what, value)
 
 
 def _leave_on_preemption(session: Session, attempts: AttemptLog, watch: PreemptionWatch, saved_local: bool) -> None:

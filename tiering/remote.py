@@ -244,8 +244,11 @@ class RemoteTier:
         write_latest(layout, step)
         return final
 
-    def restore_newest(self, layout: RunLayout, attempt: str) -> tuple[int | None, list[tuple[int, str]]]:
-        """Newest committed step that verifies, downloaded into ``layout``; older ones on any mismatch."""
+    def restore_newest(
+        self, layout: RunLayout, attempt: str, exclude: set[int] | frozenset[int] = frozenset()
+    ) -> tuple[int | None, list[tuple[int, str]]]:
+        """Newest committed step that verifies, downloaded into ``layout``; older ones on any mismatch.
+        ``exclude``: steps known to be bad although they verify (poisoned checkpoints)."""
         rejected: list[tuple[int, str]] = []
         hint = self.latest_hint()
         committed = self.committed_steps()
@@ -254,6 +257,9 @@ class RemoteTier:
                 "%s names step %s, which is not committed; ignoring the hint", self.where(self.key("latest.json")), hint
             )
         for step in committed:
+            if step in exclude:
+                rejected.append((step, "marked suspect (poisoned checkpoint)"))
+                continue
             try:
                 self.download_step(step, layout, attempt)
                 return step, rejected

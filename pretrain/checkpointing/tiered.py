@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -13,7 +15,9 @@ from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
 from pretrain.config import Config
+from pretrain.runlog import run_dir
 from tiering.collective import Collective
+from tiering.replication import replica_store
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,43 @@ class TieredCheckpointer:
             raise LeaseError(error)
         return remote
 
+    # -- suspect (poisoned) steps ----------------------------------------------------------------
+    @property
+    def _suspect_path(self) -> Path:
+        return run_dir(self.cfg.run.dir, self.cfg.run.id) / "suspect-steps.json"
+
+    def suspect_steps(self) -> set[int]:
+        """Steps that verified but produced NaN/Inf right after a restore: never restored again."""
+        try:
+            return {int(s) for s in json.loads(self._suspect_path.read_text(encoding="utf-8"))}
+        except (OSError, ValueError, TypeError):
+            return set()
+
+    def quarantine_everywhere(self, step: int, reason: str) -> list[str]:
+        """Collective: move ``step`` out of every tier (own copies, replicas held, the reshardable
+        tier) and record it as suspect, so that no tier, S3 included, restores it again."""
+        moved: list[str] = []
+        if self.local is not None:
+            stores = [self.local.store] + [
+                replica_store(self.local.node_root, owner, self.cfg.run.id, self.local.keep)
+                for owner in self.local.replicator.owners_held
+            ]
+            moved += [str(p) for p in (store.quarantine(step, reason) for store in stores) if p]
+        if self.coll.rank == 0:
+            if self.reshardable is not None:
+                path = self.reshardable.tier.quarantine(step, reason)
+                if path is not None:
+                    moved.append(str(path))
+            self._write_suspects(self.suspect_steps() | {step})
+        self.coll.barrier()
+        return moved
+
+    def _write_suspects(self, steps: set[int]) -> None:
+        self._suspect_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._suspect_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(sorted(steps)))
+        tmp.replace(self._suspect_path)
+
     def prepare(self) -> None:
         for tier in (self.local, self.reshardable):
             if tier is not None:
@@ -83,8 +124,21 @@ class TieredCheckpointer:
             tiers.append(self.reshardable)
         return tiers
 
+    def planned_intervals(self) -> dict[str, int]:
+        """Steps between saves of each tier the trainer commits (for the staleness alert)."""
+        out = {}
+        if self.local is not None:
+            out["local"] = self.cfg.checkpoint.local.interval
+        if self.reshardable is not None:
+            out["reshardable"] = self.cfg.checkpoint.reshardable.interval
+        return out
+
     def save(self, tier: Any, state: TrainingState) -> SaveResult:
-        return tier.save(state)
+        result = tier.save(state)
+        if self.coll.rank == 0 and state.step in self.suspect_steps():
+            # A later attempt committed this step again from good state: it is no longer suspect.
+            self._write_suspects(self.suspect_steps() - {state.step})
+        return result
 
     def restore(self, state: TrainingState) -> RestoreResult | None:
         """Collective. Newest step wins; at equal steps the faster tier (local, then peer) wins."""
@@ -126,9 +180,12 @@ class TieredCheckpointer:
         got = None
         if self.coll.rank == 0:
             try:
-                committed = self.remote.committed_steps()
+                suspects = self.suspect_steps()
+                committed = [s for s in self.remote.committed_steps() if s not in suspects]
                 if committed and committed[0] > best_local:
-                    got, rejected = self.remote.restore_newest(self.reshardable.tier.layout, self.attempt)
+                    got, rejected = self.remote.restore_newest(
+                        self.reshardable.tier.layout, self.attempt, exclude=suspects
+                    )
                     for step, reason in rejected:
                         notes.append(f"S3 step {step} rejected: {reason}")
                     if got is not None and got <= best_local:

@@ -1,0 +1,111 @@
+"""When to stop retrying: the restart budget of the launchers is for failures a restart can fix.
+
+* A deterministic failure (classification ``user`` or ``data``) is retried once; when the next
+  attempt fails with the same signature it is *confirmed* and the job stops.
+* ``fault_tolerance.max_consecutive_failures_without_progress`` attempts in a row that failed
+  without committing a step newer than the one they restored stop the job too: restarting from the
+  same point again would only repeat them.
+
+Stopping writes ``attempts/STOP.json`` (the durable decision: ``pretrain launch`` refuses to start
+while it exists, so Slurm requeues and pod restarts do not loop either) and ends the local
+``ft_launcher``: NVRx 0.4.1 has no exit code that stops its restarts, so the worker sends SIGTERM to
+its launcher (its parent process), which stops the local workers and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from pretrain.attempts import attempts_dir
+from pretrain.failures import Classification, FailureInfo
+
+log = logging.getLogger(__name__)
+
+STOP_FILE = "STOP.json"
+STOP_EXIT_CODE = 2  # also the JobSet podFailurePolicy's "do not restart" code
+DETERMINISTIC = (Classification.USER.value, Classification.DATA.value)
+
+
+class JobStopped(SystemExit):
+    """The job must not be retried; ``message`` says why and how to allow restarts again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(STOP_EXIT_CODE)
+        self.message = message
+
+
+def stop_path(run_dir: Path) -> Path:
+    return attempts_dir(run_dir) / STOP_FILE
+
+
+def read_stop(run_dir: Path) -> dict[str, Any] | None:
+    path = stop_path(run_dir)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        return {"reason": f"unreadable stop marker ({exc})"}
+
+
+def refuse_if_stopped(run_dir: Path) -> None:
+    """Raise JobStopped if an earlier attempt stopped this run."""
+    stop = read_stop(run_dir)
+    if stop is not None:
+        raise JobStopped(
+            f"{stop_path(run_dir)}: this run was stopped: {stop.get('reason')}; fix: fix the cause, then delete "
+            "that file to allow restarts"
+        )
+
+
+def write_stop(run_dir: Path, reason: str, **details: Any) -> None:
+    path = stop_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{STOP_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"reason": reason, "time": time.time(), **details}, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def signature(failure: dict[str, Any] | None) -> str | None:
+    if not failure or failure.get("classification") not in DETERMINISTIC or not failure.get("exception"):
+        return None
+    return f"{failure['classification']}:{failure['exception']}"
+
+
+def confirmed_deterministic(info: FailureInfo, previous_failure: dict[str, Any] | None) -> bool:
+    """This failure is deterministic and the previous attempt failed identically."""
+    return info.classification in DETERMINISTIC and signature(previous_failure) == info.signature
+
+
+def _progressed(rec: dict[str, Any]) -> bool:
+    restored = (rec.get("restored") or {}).get("step") or 0
+    saved = max((v for k, v in rec.items() if k.startswith("last_saved_") and isinstance(v, int)), default=-1)
+    return saved > restored
+
+
+def failures_without_progress(history: list[dict[str, Any]]) -> int:
+    """Trailing attempts that failed (not preempted) without committing a step past their restore."""
+    count = 0
+    for rec in reversed(history):
+        if rec.get("status") != "failed" or _progressed(rec):
+            break
+        count += 1
+    return count
+
+
+def stop_local_launcher() -> None:
+    """SIGTERM the elastic agent that started this worker (ft_launcher/torchrun), if there is one."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    parent = os.getppid()
+    if parent > 1:
+        log.error("stopping the launcher (pid %d) so that it does not restart a failure that would repeat", parent)
+        with contextlib.suppress(OSError):
+            os.kill(parent, signal.SIGTERM)
