@@ -167,6 +167,12 @@ class FaultInjectionConfig:
     hang_at_step: int = -1
     # Apply kill_*/hang_* on every attempt, not just the launcher's first (a fault that repeats).
     every_attempt: bool = False
+    # Make the save at this step take this many extra seconds (a slow filesystem), inside the
+    # checkpointing section: it must not trip the step timeout.
+    slow_save_at_step: int = -1
+    slow_save_seconds: float = 0.0
+    # hang_rank hangs in native code (libc pause()) instead of a Python sleep loop.
+    hang_native: bool = False
     # Raise a (user-code) RuntimeError on every rank at this step, on every attempt.
     raise_at_step: int = -1
     # After restoring this step, overwrite a weight with NaN (a checkpoint that verifies but is poisoned).
@@ -185,6 +191,9 @@ class FaultToleranceConfig:
     # Stop the job (attempts/STOP.json) after this many attempts in a row that failed without
     # committing a step newer than the one they restored.
     max_consecutive_failures_without_progress: int = 3
+    # Steps after which ft_launcher's heartbeat/section timeouts are measured and set (then saved
+    # in checkpoints); 0 keeps the configured ones.
+    calculate_timeouts_after: int = 50
     # A NaN/Inf loss or grad norm fails the step; within this many steps after a restore it marks
     # the restored step as poisoned: quarantined everywhere, the next restore uses an older one.
     check_finite: bool = True

@@ -37,11 +37,21 @@ def restart_counters() -> dict[str, object]:
     return out
 
 
-class Heartbeat:
-    """Sends NVRx heartbeats when running under ``ft_launcher``; a no-op otherwise."""
+class RankMonitor:
+    """This rank's link to its NVRx rank monitor under ``ft_launcher`` (a no-op otherwise).
+
+    Heartbeats after every step, and sections: ``setup`` (start-up and restore), ``step`` (one
+    training step) and ``checkpointing`` (saves), so that a slow save is judged by the
+    checkpointing timeout, never by the step timeout. After ``fault_tolerance.calculate_timeouts_after``
+    steps the timeouts are measured (NVRx synchronises them across ranks) and from then on travel
+    in the checkpoint, so a restarted group starts with measured timeouts.
+    """
 
     def __init__(self, cfg: Config) -> None:
         self.client = None
+        self.calculate_after = cfg.fault_tolerance.calculate_timeouts_after
+        self.calculated = False
+        self._open: set[str] = set()
         # Set by the trainer: true once a preemption signal arrived. Slurm and Kubernetes signal
         # every process, so NVRx's rank monitor may die before this rank reaches its emergency save.
         self.leaving: Callable[[], bool] = lambda: False
@@ -50,20 +60,20 @@ class Heartbeat:
 
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
-            log.info("ft_launcher rank monitor connected: heartbeats on")
+            log.info("ft_launcher rank monitor connected: heartbeats and sections on")
 
     @property
     def active(self) -> bool:
         return self.client is not None
 
-    def beat(self) -> None:
+    def _call(self, fn: Callable[[], Any]) -> None:
         if self.client is None:
             return
         try:
-            self.client.send_heartbeat()
+            fn()
         except Exception:
-            # The monitor is gone. During a shutdown that is expected: stop beating and let the
-            # emergency save run. Otherwise it is an infrastructure failure of this rank.
+            # The monitor is gone. During a shutdown that is expected: stop talking to it and let
+            # the emergency save run. Otherwise it is an infrastructure failure of this rank.
             for _ in range(20):  # the signal may trail the monitor's death by a few milliseconds
                 if self.leaving():
                     log.warning("rank monitor gone during shutdown: heartbeats off")
@@ -72,9 +82,60 @@ class Heartbeat:
                 time.sleep(0.05)
             raise
 
+    def beat(self) -> None:
+        self._call(lambda: self.client.send_heartbeat())
+
+    def start(self, section: str) -> None:
+        if self.client is not None and section not in self._open:
+            self._call(lambda: self.client.start_section(section))
+            self._open.add(section)
+
+    def end(self, section: str) -> None:
+        if self.client is not None and section in self._open:
+            self._call(lambda: self.client.end_section(section))
+            self._open.discard(section)
+
+    def maybe_calculate_timeouts(self, steps_done: int) -> dict[str, Any] | None:
+        """Collective (all ranks at the same step): measure and set the timeouts once.
+
+        Only what the launcher's FT config uses is measured: heartbeats if it sets heartbeat
+        timeouts, the ``step`` section and out-of-section time if it sets section timeouts. The
+        ``setup``, ``checkpointing`` and out-of-section timeouts stay as configured: one start-up
+        and a few saves are too few samples, save times vary with the tier and the storage, and
+        the gaps between sections are milliseconds, so a measured out-of-section timeout would
+        turn a garbage-collection pause into a "hang".
+        """
+        if self.client is None or self.calculated or not self.calculate_after or steps_done < self.calculate_after:
+            return None
+        self.calculated = True
+        ft_cfg = self.client.cfg
+        if ft_cfg.rank_heartbeat_timeout is not None:
+            self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+        if ft_cfg.rank_section_timeouts:
+            self.client.calculate_and_set_section_timeouts(
+                selected_sections=["step"], calc_out_of_section=False, skip_if_not_ready=True
+            )
+        state = self.state_dict()
+        log.info("fault-tolerance timeouts measured after %d steps: %s", steps_done, state)
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.client.state_dict()) if self.client is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        if self.client is None or not state:
+            return False
+        self.client.load_state_dict(state)
+        self.calculated = True
+        return True
+
     def close(self) -> None:
         if self.client is not None:
-            self.client.shutdown_workload_monitoring()
+            try:
+                self.client.end_all_sections()
+                self.client.shutdown_workload_monitoring()
+            except Exception:  # noqa: BLE001 - the monitor may already be gone at exit
+                pass
             self.client = None
 
 
@@ -92,6 +153,10 @@ def maybe_inject_fault(cfg: Config, rank: int, step: int, record, node: str | No
     if inj.hang_rank == rank and inj.hang_at_step == step and first:
         record("fault_injected", force=True, rank=rank, step=step, signal="hang", node=node)
         log.warning("fault injection: rank %d hangs at step %d (no more heartbeats)", rank, step)
+        if inj.hang_native:  # stuck in C: no Python code runs until a signal kills the process
+            import ctypes
+
+            ctypes.CDLL(None).pause()
         while True:  # a hang: alive, silent, holding its peers in the next collective
             time.sleep(3600)
 
@@ -105,3 +170,10 @@ def maybe_poison_restored(cfg: Config, restored_step: int, model: Any) -> None:
     log.warning("fault injection: step %d restored with a NaN weight", restored_step)
     with torch.no_grad():
         next(p for p in model.parameters() if p.numel() > 0).view(-1)[0] = float("nan")
+
+
+def maybe_slow_save(cfg: Config, step: int) -> None:
+    inj = cfg.fault_tolerance.inject
+    if inj.slow_save_at_step == step and inj.slow_save_seconds > 0:
+        log.warning("fault injection: the save of step %d takes %.1f s longer", step, inj.slow_save_seconds)
+        time.sleep(inj.slow_save_seconds)

@@ -21,7 +21,14 @@ from pretrain import cpu_shims
 from pretrain.attempts import AttemptLog, record_failure
 from pretrain.config import Config, data_parallel_size, validate
 from pretrain.failures import NonFiniteError, PreemptedError, classify
-from pretrain.ft import Heartbeat, launcher_restart_count, maybe_inject_fault, maybe_poison_restored, restart_counters
+from pretrain.ft import (
+    RankMonitor,
+    launcher_restart_count,
+    maybe_inject_fault,
+    maybe_poison_restored,
+    maybe_slow_save,
+    restart_counters,
+)
 from pretrain.job_policy import (
     JobStopped,
     confirmed_deterministic,
@@ -100,7 +107,7 @@ class Session:
     state: Any  # pretrain.checkpointing.state.TrainingState
     ckpt: Any  # pretrain.checkpointing.tiered.TieredCheckpointer
     runlog: RunLog
-    heartbeat: Heartbeat
+    monitor: RankMonitor
 
 
 def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
@@ -118,6 +125,8 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
     from pretrain.rank_state import seed_everything
     from tiering.collective import TorchCollective
 
+    monitor = RankMonitor(cfg)
+    monitor.start("setup")  # ends once the restore is done
     p = cfg.parallel
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
@@ -168,7 +177,7 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
         host=os.uname().nodename,
     )
     ckpt = TieredCheckpointer(cfg, coll, attempt, topology, record_event=runlog.event)
-    return Session(cfg, rank, world, attempt, ddp, dataset, state, ckpt, runlog, Heartbeat(cfg))
+    return Session(cfg, rank, world, attempt, ddp, dataset, state, ckpt, runlog, monitor)
 
 
 def restore_latest(session: Session) -> Any:
@@ -306,7 +315,8 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
 
     attempts, watch, metrics = ctx.records, ctx.watch, ctx.metrics
     session = build_session(cfg, rank, world, ctx.id)
-    session.heartbeat.leaving = lambda: watch.requested
+    monitor = session.monitor
+    monitor.leaving = lambda: watch.requested
     restored = restore_latest(session)
     attempts.restored(
         restored.tier if restored else None,
@@ -316,9 +326,12 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     if restored is not None:
         metrics.loaded(restored.tier, restored.seconds)
         maybe_poison_restored(cfg, restored.step, session.state.model)
+    if monitor.load_state_dict(session.state.extra.get("ft", {})):
+        session.runlog.event("ft_timeouts", source="checkpoint", timeouts=session.state.extra["ft"])
+    monitor.end("setup")
     metrics.tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length
     metrics.planned_interval_steps = session.ckpt.planned_intervals()
-    state, ddp, runlog, heartbeat = session.state, session.ddp, session.runlog, session.heartbeat
+    state, ddp, runlog = session.state, session.ddp, session.runlog
     optimizer, scheduler, sampler = state.optimizer, state.scheduler, state.sampler
     audit = DataAudit(cfg, rank) if cfg.data.audit else None
     forward_backward = get_forward_backward_func()
@@ -327,6 +340,7 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     t_start = time.perf_counter()
     t_window, window_steps = t_start, 0
     for step in range(first_step, cfg.train.steps + 1):
+        monitor.start("step")
         node = session.ckpt.local.node if session.ckpt.local is not None else None
         maybe_inject_fault(cfg, rank, step, runlog.event, node=node)
         ddp.zero_grad_buffer()
@@ -351,8 +365,13 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
         loss, leave = _reduce_step(losses, watch.requested)
         lr = optimizer.param_groups[0]["lr"]
         runlog.metrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, consumed_samples=state.consumed_samples)
-        heartbeat.beat()
+        monitor.end("step")
+        monitor.beat()
         metrics.stepped(step)
+        measured = monitor.maybe_calculate_timeouts(step - first_step + 1)
+        if measured is not None:
+            state.extra["ft"] = measured  # saved with every checkpoint from now on
+            runlog.event("ft_timeouts", source="measured", timeouts=measured)
         if cfg.fault_tolerance.check_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             _non_finite(session, restored, step, loss, grad_norm)
         if step == first_step:
@@ -365,7 +384,11 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
             log.info("step %d | loss %.6f | grad norm %.4f | lr %.3e | %.0f tokens/s", step, loss, grad_norm, lr, tok_s)
             t_window, window_steps = now, 0
         saved_local = False
-        for tier in session.ckpt.due(step):
+        due = session.ckpt.due(step)
+        if due:
+            monitor.start("checkpointing")
+            maybe_slow_save(cfg, step)
+        for tier in due:
             try:
                 saved = session.ckpt.save(tier, state)
                 saved_local = saved_local or saved.tier == "local"
@@ -396,14 +419,15 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
                 log.error("checkpoint at step %d failed: %s", step, exc)
                 runlog.event("save_failed", tier=tier.name, step=step, error=str(exc))
                 metrics.save_failed(tier.name)
-            heartbeat.beat()
+            monitor.beat()
+        monitor.end("checkpointing")
         if leave:
             _leave_on_preemption(session, attempts, watch, saved_local)
     elapsed = time.perf_counter() - t_start
     done = state.step - first_step + 1
     runlog.event("finish", step=state.step, steps=done, seconds=elapsed)
     attempts.end("succeeded", state.step)
-    heartbeat.close()
+    monitor.close()
     return RunSummary(
         session.attempt,
         first_step,
@@ -442,6 +466,7 @@ def _leave_on_preemption(session: Session, attempts: AttemptLog, watch: Preempti
     elif saved_local:
         outcome = f"step {step} was just saved in tier 1"
     else:
+        session.monitor.start("checkpointing")
         try:
             saved = local.save(session.state, deadline=watch.deadline)
             published = True
@@ -453,7 +478,7 @@ def _leave_on_preemption(session: Session, attempts: AttemptLog, watch: Preempti
         log.warning("%s received: %s; exiting %d", watch.signal_name, outcome, PreemptedError.EXIT_CODE)
     session.runlog.event("preempted", signal=watch.signal_name, step=step, published=published, outcome=outcome)
     attempts.end("preempted", step, signal=watch.signal_name, emergency=outcome, emergency_published=published)
-    session.heartbeat.close()
+    session.monitor.close()
     raise PreemptedError(f"{watch.signal_name}: {outcome}")
 
 

@@ -83,3 +83,44 @@ def test_hung_rank_is_detected_by_heartbeats_and_the_group_restarts(tmp_path: Pa
     hang_t = next(e["time"] for e in ev if e["event"] == "fault_injected")
     restart_t = next(e["time"] for e in ev if e["event"] == "start" and e["launcher_restart_count"] == 1)
     assert restart_t - hang_t < 60, "the heartbeat timeout (6 s) must detect the hang, not a collective timeout"
+
+
+def test_sections_a_slow_save_is_not_a_hang_and_a_native_hang_is(tmp_path: Path, corpus: Path) -> None:
+    """Sections instead of heartbeats: a save 7 s long (step timeout 5 s) passes; a rank stuck in
+    native code (libc pause) is killed by the measured step timeout and the group restarts with
+    the measured timeouts loaded from the checkpoint."""
+    from pretrain.launch import ft_launcher_command
+    from tests.helpers import REPO, TINY, run
+
+    job = tmp_path / "sections"
+    ov = overrides_for(
+        job,
+        corpus,
+        **{
+            "train.steps": 50,
+            "checkpoint.local.interval": 10,
+            "checkpoint.reshardable.interval": 100,
+            "fault_tolerance.calculate_timeouts_after": 12,
+            "fault_tolerance.inject.slow_save_at_step": 20,
+            "fault_tolerance.inject.slow_save_seconds": 7,
+            "fault_tolerance.inject.hang_rank": 1,
+            "fault_tolerance.inject.hang_at_step": 33,
+            "fault_tolerance.inject.hang_native": "true",
+        },
+    )
+    cmd = ft_launcher_command(
+        TINY, nproc=2, ft_config=REPO / "tests" / "ft-sections.yaml", max_restarts=2, overrides=ov
+    )
+    run(cmd, job, timeout=300, check=True)
+    ev = events(job / "runs" / "t")
+    starts = [e for e in ev if e["event"] == "start"]
+    assert len(starts) == 2, "the slow save must not restart the group; the hang must"
+    assert [(r["step"], r["tier"]) for r in ev if r["event"] == "restore"] == [(30, "local")]
+    measured = [e for e in ev if e["event"] == "ft_timeouts" and e["source"] == "measured"]
+    loaded = [e for e in ev if e["event"] == "ft_timeouts" and e["source"] == "checkpoint"]
+    assert measured and loaded and loaded[0]["timeouts"] == measured[0]["timeouts"]
+    step_timeout = measured[0]["timeouts"]["current_timeouts"]["section"]["section"]["step"]
+    assert 0 < step_timeout < 60
+    hang_t = next(e["time"] for e in ev if e["event"] == "fault_injected")
+    assert starts[1]["time"] - hang_t < step_timeout + 30
+    assert max(metrics_by_step(job / "runs" / "t")) == 50
