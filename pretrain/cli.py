@@ -53,6 +53,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.config, args.workdir, args.set or [])
 
 
+def _drill(args: argparse.Namespace) -> int:
+    from pretrain.drill import run_drill
+
+    return run_drill(args.config, args.workdir)
+
+
 def _launch(args: argparse.Namespace) -> int:
     from pretrain.entrypoint import LaunchError, launch
     from pretrain.job_policy import JobStopped
@@ -107,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", help="<run.dir>/<run.id>, e.g. runs/tiny-run")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+
+    dr = sub.add_parser(
+        "drill", help="the seed's recovery drill at CPU scale; writes drill-report.{md,json} and a plot"
+    )
+    dr.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
+    dr.add_argument("--workdir", default="runs/drill")
+    dr.set_defaults(func=_drill)
 
     m = sub.add_parser("demo", help="2-rank CPU run under ft_launcher with one injected failure")
     m.add_argument("--config", default=None, help="config (default: the embedded tiny-cpu config)")

@@ -85,36 +85,39 @@ class RankMonitor:
     def beat(self) -> None:
         self._call(lambda: self.client.send_heartbeat())
 
+    def _declared(self, section: str) -> bool:
+        """NVRx refuses sections its FT config does not name: use only the declared ones."""
+        return self.client is not None and section in (self.client.cfg.rank_section_timeouts or {})
+
     def start(self, section: str) -> None:
-        if self.client is not None and section not in self._open:
+        if self._declared(section) and section not in self._open:
             self._call(lambda: self.client.start_section(section))
             self._open.add(section)
 
     def end(self, section: str) -> None:
-        if self.client is not None and section in self._open:
+        if self._declared(section) and section in self._open:
             self._call(lambda: self.client.end_section(section))
             self._open.discard(section)
 
     def maybe_calculate_timeouts(self, steps_done: int) -> dict[str, Any] | None:
-        """Collective (all ranks at the same step): measure and set the timeouts once.
+        """Collective (all ranks at the same step): measure and set the section timeouts once.
 
-        Only what the launcher's FT config uses is measured: heartbeats if it sets heartbeat
-        timeouts, the ``step`` section and out-of-section time if it sets section timeouts. The
-        ``setup``, ``checkpointing`` and out-of-section timeouts stay as configured: one start-up
-        and a few saves are too few samples, save times vary with the tier and the storage, and
-        the gaps between sections are milliseconds, so a measured out-of-section timeout would
-        turn a garbage-collection pause into a "hang".
+        Only the ``step`` section is measured, and only when the launcher's FT config uses
+        sections. ``setup``, ``checkpointing`` and out-of-section timeouts stay as configured: one
+        start-up and a few saves are too few samples, save times vary with the tier and the
+        storage, and the gaps between sections are milliseconds, so a measured out-of-section
+        timeout would turn a garbage-collection pause into a "hang". Heartbeat timeouts are never
+        measured: a heartbeat cannot tell a save from a hang, so a timeout measured over fast steps
+        kills the first slow save (the known false positive); use sections for tight detection.
         """
         if self.client is None or self.calculated or not self.calculate_after or steps_done < self.calculate_after:
             return None
         self.calculated = True
-        ft_cfg = self.client.cfg
-        if ft_cfg.rank_heartbeat_timeout is not None:
-            self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
-        if ft_cfg.rank_section_timeouts:
-            self.client.calculate_and_set_section_timeouts(
-                selected_sections=["step"], calc_out_of_section=False, skip_if_not_ready=True
-            )
+        if not self.client.cfg.rank_section_timeouts:
+            return None
+        self.client.calculate_and_set_section_timeouts(
+            selected_sections=["step"], calc_out_of_section=False, skip_if_not_ready=True
+        )
         state = self.state_dict()
         log.info("fault-tolerance timeouts measured after %d steps: %s", steps_done, state)
         return state
@@ -132,7 +135,8 @@ class RankMonitor:
     def close(self) -> None:
         if self.client is not None:
             try:
-                self.client.end_all_sections()
+                if self.client.cfg.rank_section_timeouts:  # an undeclared section message kills the rank
+                    self.client.end_all_sections()
                 self.client.shutdown_workload_monitoring()
             except Exception:  # noqa: BLE001 - the monitor may already be gone at exit
                 pass

@@ -77,10 +77,12 @@ class PeerRecovery:
         make = primary_store if kind == "primary" else replica_store
         return make(self.node_root, owner, self.run_id, self.keep)
 
-    def _scan(self) -> tuple[dict[str, list[int]], list[str]]:
-        """{"kind:owner": [steps]} with readable manifests at this topology; plus topology skips."""
+    def _scan(self) -> tuple[dict[str, list[int]], list[str], list[str]]:
+        """{"kind:owner": [steps]} with readable manifests at this topology; plus topology skips and
+        rejected step directories (no readable manifest or no COMMITTED marker: quarantined)."""
         found: dict[str, list[int]] = {}
         skipped: list[str] = []
+        rejected: list[str] = []
         for kind, sub in (("primary", "ranks"), ("replica", "replicas")):
             base = self.node_root / sub
             if not base.is_dir():
@@ -94,7 +96,10 @@ class PeerRecovery:
                 for step in store.step_dirs():
                     try:
                         manifest = read_manifest(store.step_path(step))
-                    except VerificationError:
+                    except VerificationError as exc:
+                        # An interrupted publish or a damaged copy: out of the way, with the reason.
+                        rejected.append(str(exc))
+                        store.quarantine(step, str(exc))
                         continue
                     want = {k: v for k, v in self.topology.items() if k != "world_size"}
                     if manifest.world_size != self.topology["world_size"] or manifest.parallelism != want:
@@ -107,16 +112,17 @@ class PeerRecovery:
                         steps.append(step)
                 if steps:
                     found[f"{kind}:{owner}"] = steps
-        return found, skipped
+        return found, skipped, rejected
 
     def recover(self) -> PeerPlanResult:
         t0 = time.perf_counter()
         nodes: list[str] = self.coll.all_gather(self.node)
         serving = {n: min(r for r, m in enumerate(nodes) if m == n) for n in set(nodes)}
-        scan, skipped = self._scan() if serving[self.node] == self.rank else ({}, [])
+        scan, skipped, rejected = self._scan() if serving[self.node] == self.rank else ({}, [], [])
         scans: list[dict[str, list[int]]] = self.coll.all_gather(scan)
         skips: list[list[str]] = self.coll.all_gather(skipped)
         result = PeerPlanResult(None, [s for part in skips for s in part])
+        result.rejected.extend(r for part in self.coll.all_gather(rejected) for r in part)
         # availability[step][owner] -> list of (node, kind)
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         for r, found in enumerate(scans):

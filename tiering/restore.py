@@ -21,16 +21,19 @@ class Selection:
     rejected: list[tuple[int, str]]
 
 
-def select_newest_verified(tier: Tier, coll: Collective) -> Selection | None:
-    """Collective: return the newest step of ``tier`` that verifies on every rank, or None.
+def select_newest_verified(
+    tier: Tier, coll: Collective, newer_than: int = -1, rejected: list[tuple[int, str]] | None = None
+) -> Selection | None:
+    """Collective: return the newest step of ``tier`` newer than ``newer_than`` that verifies on
+    every rank, or None. Rejections are appended to ``rejected`` when given.
 
     Rank 0 lists the candidates (``latest.json`` is not trusted); the ranks hash disjoint shares
     of each candidate's files in parallel; a step any rank rejects is quarantined by rank 0 with
     the first reason and the scan falls back to the next older step.
     """
     candidates: list[int] = coll.broadcast(tier.step_dirs() if coll.rank == 0 else None)
-    rejected: list[tuple[int, str]] = []
-    for step in candidates:
+    rejected = [] if rejected is None else rejected
+    for step in (s for s in candidates if s > newer_than):
         reason = None
         manifest = None
         try:

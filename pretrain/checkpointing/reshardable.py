@@ -109,10 +109,13 @@ class ReshardableCheckpoints:
             torch.save(trainer_state(state), tmp / "trainer.pt")
 
     # -- restore ---------------------------------------------------------------------------------
-    def restore(self, state: TrainingState) -> RestoreResult | None:
-        """Collective: load the newest verified step into ``state``; None if there is none."""
+    def restore(
+        self, state: TrainingState, newer_than: int = -1, rejected: list[tuple[int, str]] | None = None
+    ) -> RestoreResult | None:
+        """Collective: load the newest verified step newer than ``newer_than`` into ``state``; None
+        if there is none (rejections are appended to ``rejected`` when given)."""
         t0 = time.perf_counter()
-        selection = select_newest_verified(self.tier, self.coll)
+        selection = select_newest_verified(self.tier, self.coll, newer_than, rejected)
         verify_s = time.perf_counter() - t0
         if selection is None:
             return None

@@ -141,7 +141,31 @@ class TieredCheckpointer:
         return result
 
     def restore(self, state: TrainingState) -> RestoreResult | None:
-        """Collective. Newest step wins; at equal steps the faster tier (local, then peer) wins."""
+        """Collective. Newest verified step wins (at equal steps the faster tier); steps newer than
+        it in tiers 1-2 and staging are then superseded (see :meth:`_supersede_newer`)."""
+        result = self._restore(state)
+        self._supersede_newer(result.step if result is not None else 0)
+        return result
+
+    def _supersede_newer(self, step: int) -> None:
+        """Steps newer than the one the run resumes from belong to an abandoned timeline (they did not
+        verify, or some rank's part is gone). Published steps are immutable, so they would block the
+        new timeline from publishing those step numbers: move them to quarantine, with the reason."""
+        reason = f"superseded: attempt {self.attempt} resumed from step {step}"
+        stores = []
+        if self.local is not None:
+            stores = [self.local.store] + [
+                replica_store(self.local.node_root, owner, self.cfg.run.id, self.local.keep)
+                for owner in self.local.replicator.owners_held
+            ]
+        if self.reshardable is not None and self.coll.rank == 0:
+            stores.append(self.reshardable.tier)
+        for store in stores:
+            for newer in (s for s in store.step_dirs() if s > step):
+                store.quarantine(newer, reason)
+                log.warning("rank %d: %s: step %d %s", self.coll.rank, store.layout.run_dir, newer, reason)
+
+    def _restore(self, state: TrainingState) -> RestoreResult | None:
         t0 = time.perf_counter()
         notes: list[str] = []
         plan = self.local.plan_restore() if self.local is not None else None
@@ -159,15 +183,18 @@ class TieredCheckpointer:
             newest_reshardable = from_s3
         if peer is not None and (newest_reshardable is None or newest_reshardable <= peer.step):
             return self._load_peer(peer, plan, state, t0, notes)
+        rejected: list[tuple[int, str]] = []
         if self.reshardable is not None:
-            result = self.reshardable.restore(state)
-            if result is not None and (peer is None or result.step >= peer.step):
+            # Only a step newer than the tier 1-2 one is worth a reshardable load; at equal steps
+            # the per-rank copy is faster and carries every rank's exact state.
+            result = self.reshardable.restore(state, newer_than=peer.step if peer else -1, rejected=rejected)
+            if result is not None:
                 result.notes = notes
                 if from_s3 is not None and result.step == from_s3:
                     result.tier = "s3"
                 return result
         if peer is not None:  # the reshardable tier had nothing newer that verified
-            return self._load_peer(peer, plan, state, t0, notes)
+            return self._load_peer(peer, plan, state, t0, notes, rejected)
         return None
 
     def _fetch_from_s3(self, best_local: int, notes: list[str]) -> int | None:
@@ -198,7 +225,15 @@ class TieredCheckpointer:
                 log.warning(notes[-1])
         return self.coll.broadcast(got)
 
-    def _load_peer(self, peer: Any, plan: Any, state: TrainingState, t0: float, notes: list[str]) -> RestoreResult:
+    def _load_peer(
+        self,
+        peer: Any,
+        plan: Any,
+        state: TrainingState,
+        t0: float,
+        notes: list[str],
+        rejected_elsewhere: list[tuple[int, str]] | None = None,
+    ) -> RestoreResult:
         assert self.local is not None
         t_load = time.perf_counter()
         self.local.load(peer, state)
@@ -222,8 +257,16 @@ class TieredCheckpointer:
                     row["seconds"],
                 )
         tier = "local" if all(r["tier"] == "local" for r in per_rank) else "peer"
-        rejected = [(peer.step, r) for r in plan.rejected]
+        rejected = [(_step_named(r, peer.step), r) for r in plan.rejected] + list(rejected_elsewhere or [])
         self.coll.barrier()
         return RestoreResult(
             tier, peer.step, time.perf_counter() - t0, peer.seconds, True, rejected, peer.path, per_rank, notes
         )
+
+
+def _step_named(reason: str, default: int) -> int:
+    """The step a rejection reason is about (its path names ``step-NNNNNNNNN``)."""
+    import re
+
+    m = re.search(r"step-(\d+)", reason)
+    return int(m.group(1)) if m else default

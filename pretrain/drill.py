@@ -1,0 +1,376 @@
+"""``pretrain drill``: the seed's minimal reproducible recovery experiment, automated at CPU scale.
+
+1. an uninterrupted baseline (fixed data snapshot, seed, world size);
+2. the same run saving every 50 steps, rank 1 SIGKILLed at step 135 -> the new attempt recovers
+   step 100 (data watermark as in the manifest) and matches the baseline's loss, grad norm and LR;
+   no process of the old world survives;
+3. a restart after step 150 loads step 150;
+4. a step-200 copy without COMMITTED and one without a shard (own copy, its replica and the
+   reshardable tier) -> all rejected, recovery from 150;
+5. three consecutive failures -> the job stops and says why.
+
+Writes ``drill-report.json``, ``drill-report.md`` and ``drill-loss.png`` under the work directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pretrain.config import load_config
+from pretrain.launch import ft_launcher_command
+
+FT_CONFIG = {
+    "fault_tolerance": {
+        "initial_rank_heartbeat_timeout": 120.0,
+        "rank_heartbeat_timeout": 60.0,
+        "workload_check_interval": 1.0,
+        "rank_termination_signal": "SIGKILL",
+    }
+}
+SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class DrillReport:
+    checks: list[Check] = field(default_factory=list)
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    save_seconds: dict[str, list[float]] = field(default_factory=dict)
+    load_seconds: list[dict[str, Any]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    def check(self, name: str, passed: bool, detail: str) -> bool:
+        self.checks.append(Check(name, bool(passed), detail))
+        print(f"[drill] {'PASS' if passed else 'FAIL'} {name}: {detail}", flush=True)
+        return bool(passed)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+
+class Drill:
+    def __init__(self, config: str | None, workdir: Path) -> None:
+        self.work = workdir
+        self.config = config
+        self.env = {
+            **os.environ,
+            "TMPDIR": tempfile.mkdtemp(prefix="rp-drill-", dir="/tmp"),  # NVRx unix sockets: short paths
+            "PYTHONWARNINGS": "ignore",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.report = DrillReport()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _config(self, run_id: str, **extra: Any) -> Path:
+        w = self.work
+        settings = {
+            "run.dir": w / "runs",
+            "run.id": run_id,
+            "data.prefix": w / "data" / "corpus",
+            "checkpoint.local.dir": w / "ckpt-local",
+            "checkpoint.reshardable.dir": w / "ckpt-reshardable",
+            "checkpoint.local.interval": SAVE_EVERY,
+            "checkpoint.local.keep": 3,
+            "checkpoint.reshardable.interval": 100,
+            "checkpoint.reshardable.keep": 2,
+            "checkpoint.replication.allow_same_domain": "true",
+            "schedule.decay_steps": TOTAL,  # one LR schedule for every phase, as in one long run
+            "metrics.enabled": "false",
+            **extra,
+        }
+        cfg = load_config(self.config, [f"{k}={v}" for k, v in settings.items()])
+        path = w / f"config-{run_id}-{len(list(w.glob('config-*')))}.yaml"
+        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return path
+
+    def _run(self, cmd: list[str], name: str) -> int:
+        with open(self.work / f"{name}.log", "w") as log:
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, timeout=600).returncode
+
+    def _torchrun(self, cfg: Path, name: str) -> int:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        return self._run([*cmd, "-m", "pretrain", "train", "--config", str(cfg)], name)
+
+    def _ft_launch(self, cfg: Path, name: str, max_restarts: int) -> int:
+        ft = self.work / "ft.yaml"
+        ft.write_text(yaml.safe_dump(FT_CONFIG))
+        return self._run(ft_launcher_command(cfg, nproc=2, ft_config=ft, max_restarts=max_restarts), name)
+
+    def _jsonl(self, run_id: str, name: str) -> list[dict[str, Any]]:
+        path = self.work / "runs" / run_id / name
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+    def _attempts(self, run_id: str) -> list[dict[str, Any]]:
+        d = self.work / "runs" / run_id / "attempts"
+        return [json.loads(p.read_text()) for p in sorted(d.glob("attempt-*.json"))]
+
+    def _restores(self, run_id: str) -> list[dict[str, Any]]:
+        return [e for e in self._jsonl(run_id, "events.jsonl") if e["event"] == "restore"]
+
+    def _orphans(self, cfg: Path) -> list[str]:
+        out = subprocess.run(["pgrep", "-af", str(cfg)], capture_output=True, text=True).stdout
+        return [line for line in out.splitlines() if "pgrep" not in line]
+
+    # -- phases ---------------------------------------------------------------------------------
+    def run(self) -> DrillReport:
+        t0 = time.perf_counter()
+        rep = self.report
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pretrain",
+                "prepare-data",
+                "--synthetic-mb",
+                "1",
+                "--output",
+                str(self.work / "data" / "corpus"),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env=self.env,
+        )
+        # 1. baseline
+        base_cfg = self._config("baseline", **{"train.steps": TOTAL})
+        rc = self._torchrun(base_cfg, "1-baseline")
+        base = {m["step"]: m for m in self._jsonl("baseline", "metrics.jsonl")}
+        rep.check("baseline", rc == 0 and max(base, default=0) == TOTAL, f"{len(base)} steps, exit {rc}")
+
+        # 2. kill near step 135 -> recover step 100, match the baseline
+        cfg2 = self._config(
+            "drill",
+            **{
+                "train.steps": 150,
+                "fault_tolerance.inject.kill_rank": 1,
+                "fault_tolerance.inject.kill_at_step": KILL_AT,
+            },
+        )
+        rc = self._ft_launch(cfg2, "2-kill-at-135", max_restarts=3)
+        restores = self._restores("drill")
+        got = [(r["step"], r["tier"]) for r in restores]
+        n_attempts = len(self._attempts("drill"))
+        rep.check(
+            "recover-from-100",
+            rc == 0 and got == [(100, "local")] and n_attempts == 2,
+            f"restores {got} in {n_attempts} attempts (one failure, one recovery), exit {rc}",
+        )
+        rep.check("no-orphans", not self._orphans(cfg2), f"leftover processes: {self._orphans(cfg2) or 'none'}")
+        drill = {m["step"]: m for m in self._jsonl("drill", "metrics.jsonl")}
+        first_new = [
+            m for m in self._jsonl("drill", "metrics.jsonl") if restores and m["attempt"] == restores[0]["attempt"]
+        ]
+        gbs = load_config(cfg2).data.global_batch_size
+        watermark_ok = bool(first_new) and first_new[0]["step"] == 101 and first_new[0]["consumed_samples"] == 101 * gbs
+        manifest = self._manifest("drill", 0, 100)
+        after = (first_new[0]["step"], first_new[0]["consumed_samples"]) if first_new else (None, None)
+        rep.check(
+            "data-watermark",
+            watermark_ok and manifest.get("consumed_samples") == 100 * gbs,
+            f"manifest step 100 consumed_samples={manifest.get('consumed_samples')}; first step after the restore "
+            f"{after[0]} with consumed_samples={after[1]}",
+        )
+        window = range(101, 151)
+        diffs = [s for s in window if s not in drill or s not in base or _differs(drill[s], base[s])]
+        rep.check(
+            "matches-baseline",
+            not diffs,
+            f"loss, grad norm and LR of steps {window.start}-{window.stop - 1} ({len(window)} steps) "
+            + ("equal the baseline bit for bit" if not diffs else f"differ at {diffs[:5]}"),
+        )
+
+        # 3. a restart after step 150 loads step 150
+        cfg3 = self._config("drill", **{"train.steps": 200})
+        rc = self._torchrun(cfg3, "3-restart-after-150")
+        got = [(r["step"], r["tier"]) for r in self._restores("drill")][1:]
+        rep.check("step-150-loads", rc == 0 and got == [(150, "local")], f"restores {got}, exit {rc}")
+
+        # 4. step 200 damaged in every copy -> rejected, recovery from 150
+        damaged = self._damage_step_200()
+        cfg4 = self._config("drill", **{"train.steps": 210})
+        rc = self._torchrun(cfg4, "4-bad-step-200")
+        last = self._restores("drill")[-1]
+        rejected = [r["reason"] for r in last.get("rejected", []) if r["step"] == 200]
+        quarantined = sorted(
+            str(p.relative_to(self.work))
+            for p in self.work.glob("ckpt-*/drill/**/quarantine/step-000000200.*.reason.txt")
+        )
+        rep.check(
+            "reject-200-fallback-150",
+            rc == 0 and last["step"] == 150 and len(rejected) >= 2 and len(quarantined) >= 3,
+            f"damaged {damaged}; restored {last['step']} from {last['tier']}; rejected {len(rejected)} copies "
+            f"({'; '.join(r[:160] for r in rejected)}); quarantined {quarantined}",
+        )
+
+        # 5. three consecutive failures -> the job stops and says so
+        cfg5 = self._config(
+            "drill",
+            **{
+                "train.steps": 260,
+                "fault_tolerance.inject.kill_rank": 1,
+                "fault_tolerance.inject.kill_at_step": 215,
+                "fault_tolerance.inject.every_attempt": "true",
+            },
+        )
+        rc = self._ft_launch(cfg5, "5-three-failures", max_restarts=6)
+        attempts = self._attempts("drill")
+        stop = self.work / "runs" / "drill" / "attempts" / "STOP.json"
+        tail = [a["status"] for a in attempts[-4:]]
+        rep.check(
+            "stops-after-3-failures",
+            rc != 0 and stop.exists() and tail == ["failed", "failed", "failed", "stopped"],
+            f"last attempts {tail}; {json.loads(stop.read_text())['reason'] if stop.exists() else 'no STOP.json'}",
+        )
+
+        self._collect_numbers(attempts)
+        rep.wall_seconds = time.perf_counter() - t0
+        return rep
+
+    def _manifest(self, run_id: str, rank: int, step: int) -> dict[str, Any]:
+        path = (
+            self.work
+            / "ckpt-local"
+            / run_id
+            / "ranks"
+            / f"rank-{rank:05d}"
+            / "steps"
+            / f"step-{step:09d}"
+            / "manifest.json"
+        )
+        if not path.exists():  # quarantined or retired since: look in the reshardable tier
+            path = self.work / "ckpt-reshardable" / run_id / "steps" / f"step-{step:09d}" / "manifest.json"
+        try:
+            return json.loads(path.read_text()).get("extra", {}) | json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def _damage_step_200(self) -> list[str]:
+        root = self.work / "ckpt-local" / "drill"
+        step = "step-000000200"
+        damaged = []
+        own = root / "ranks" / "rank-00001" / "steps" / step / "COMMITTED"
+        own.unlink()
+        damaged.append(f"{own.parent.relative_to(self.work)} without COMMITTED")
+        replica = next((root / "replicas").glob(f"rank-00001/steps/{step}"), None)
+        if replica is not None:
+            (replica / "state.pt").unlink()
+            damaged.append(f"{replica.relative_to(self.work)} without its shard state.pt")
+        resh = self.work / "ckpt-reshardable" / "drill" / "steps" / step
+        shard = sorted(p for p in (resh / "model").iterdir() if p.suffix == ".distcp")[0]
+        shard.unlink()
+        damaged.append(f"{resh.relative_to(self.work)} without shard {shard.name}")
+        return damaged
+
+    def _collect_numbers(self, attempts: list[dict[str, Any]]) -> None:
+        rep = self.report
+        for e in self._jsonl("drill", "events.jsonl"):
+            if e["event"] == "save":
+                rep.save_seconds.setdefault(e["tier"], []).append(round(e["seconds"], 4))
+            if e["event"] == "restore":
+                rep.load_seconds.append({"step": e["step"], "tier": e["tier"], "seconds": round(e["seconds"], 4)})
+        for a in attempts:
+            if a.get("restored") is not None or a.get("rto_seconds") is not None:
+                rep.recoveries.append(
+                    {
+                        "attempt": a["attempt"],
+                        "restored": a.get("restored"),
+                        "lost_steps": a.get("lost_steps"),
+                        "rto_seconds": a.get("rto_seconds"),
+                        "time_to_first_step_seconds": a.get("time_to_first_step_seconds"),
+                        "status": a.get("status"),
+                    }
+                )
+
+
+def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return any(a[k] != b[k] for k in ("loss", "grad_norm", "lr"))
+
+
+def write_outputs(work: Path, report: DrillReport) -> None:
+    data = {**asdict(report), "passed": report.passed}
+    (work / "drill-report.json").write_text(json.dumps(data, indent=2))
+    lines = [
+        "# Recovery drill report",
+        "",
+        f"Result: **{'PASS' if report.passed else 'FAIL'}** ({report.wall_seconds:.0f} s wall)",
+        "",
+        "| check | result | detail |",
+        "|---|---|---|",
+        *[f"| {c.name} | {'pass' if c.passed else 'FAIL'} | {c.detail.replace('|', '/')} |" for c in report.checks],
+        "",
+        "## Recoveries",
+        "",
+        "| attempt | status | restored | lost steps | RTO s | start to first step s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report.recoveries:
+        restored = f"{r['restored']['tier']}@{r['restored']['step']}" if r.get("restored") else "-"
+        lines.append(
+            f"| {r['attempt']} | {r['status']} | {restored} | {r['lost_steps']} | {r['rto_seconds']} | "
+            f"{r['time_to_first_step_seconds']} |"
+        )
+    lines += ["", "## Save and load times (s)", ""]
+    for tier, secs in report.save_seconds.items():
+        lines.append(f"- save, {tier}: median {sorted(secs)[len(secs) // 2]:.3f} over {len(secs)} saves")
+    for row in report.load_seconds:
+        lines.append(f"- load step {row['step']} from {row['tier']}: {row['seconds']:.3f}")
+    (work / "drill-report.md").write_text("\n".join(lines) + "\n")
+
+
+def plot_losses(work: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def rows(run_id: str) -> list[dict[str, Any]]:
+        path = work / "runs" / run_id / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    base = rows("baseline")
+    ax.plot([m["step"] for m in base], [m["loss"] for m in base], color="black", lw=2.5, alpha=0.35, label="baseline")
+    by_attempt: dict[str, list[dict[str, Any]]] = {}
+    for m in rows("drill"):
+        by_attempt.setdefault(m["attempt"], []).append(m)
+    for i, (attempt, ms) in enumerate(by_attempt.items()):
+        ax.plot([m["step"] for m in ms], [m["loss"] for m in ms], lw=1, label=f"drill attempt {i + 1} ({attempt[-8:]})")
+    ax.axvline(KILL_AT, color="red", ls="--", lw=1, label=f"rank 1 killed (step {KILL_AT})")
+    for s in range(SAVE_EVERY, TOTAL + 1, SAVE_EVERY):
+        ax.axvline(s, color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Recovery drill: baseline vs recovered runs (dotted: checkpoints)")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(work / "drill-loss.png", dpi=110)
+    plt.close(fig)
+
+
+def run_drill(config: str | None, workdir: str) -> int:
+    work = Path(workdir).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    report = Drill(config, work).run()
+    write_outputs(work, report)
+    plot_losses(work)
+    print(f"[drill] {'PASS' if report.passed else 'FAIL'} in {report.wall_seconds:.0f} s: {work / 'drill-report.md'}")
+    return 0 if report.passed else 1

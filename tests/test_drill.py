@@ -1,0 +1,47 @@
+"""`pretrain drill`: the seed's recovery experiment end to end (kill at 135 -> 100, restart ->
+150, damaged step 200 -> 150, three failures -> stop), with its report files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, job_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
+    work = tmp_path / "drill"
+    proc = subprocess.run(
+        [PYTHON, "-m", "pretrain", "drill", "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=360,
+        env=job_env(tmp_path),
+    )
+    report = json.loads((work / "drill-report.json").read_text())
+    failed = [c for c in report["checks"] if not c["passed"]]
+    assert proc.returncode == 0 and report["passed"] and not failed, failed or proc.stdout[-3000:]
+    names = [c["name"] for c in report["checks"]]
+    assert names == [
+        "baseline",
+        "recover-from-100",
+        "no-orphans",
+        "data-watermark",
+        "matches-baseline",
+        "step-150-loads",
+        "reject-200-fallback-150",
+        "stops-after-3-failures",
+    ]
+    first = report["recoveries"][0]
+    assert first["restored"] == {"tier": "local", "step": 100, "seconds": first["restored"]["seconds"]}
+    assert first["lost_steps"] == 34 and 0 < first["rto_seconds"] < 60
+    assert report["save_seconds"]["local"] and report["load_seconds"]
+    md = (work / "drill-report.md").read_text()
+    assert "Result: **PASS**" in md and "| matches-baseline | pass |" in md
+    png = (work / "drill-loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
