@@ -53,6 +53,41 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.config, args.workdir, args.set or [])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from pretrain.plan import as_dict, format_plan, mtbf_from_failures, plan_capacity, plan_tier
+
+    if args.mtbf_hours is not None:
+        mtbf = args.mtbf_hours * 3600.0
+    elif args.failures is not None and args.days is not None and args.cluster_gpus and args.job_gpus:
+        mtbf = mtbf_from_failures(args.failures, args.days, args.cluster_gpus, args.job_gpus)
+    else:
+        print(
+            "pretrain plan: give --mtbf-hours or --failures/--days/--cluster-gpus/--job-gpus; fix: e.g. "
+            "--failures 466 --days 54 --cluster-gpus 16384 --job-gpus 1024",
+            file=sys.stderr,
+        )
+        return 2
+    tiers = []
+    for spec in args.tier or ["local:1:30"]:
+        try:
+            name, save, restore = spec.split(":")
+            tiers.append(plan_tier(name, float(save), float(restore), mtbf, args.step_seconds, args.restart_seconds))
+        except ValueError as exc:
+            print(f"pretrain plan: --tier {spec!r}: {exc}; fix: NAME:SAVE_SECONDS:RESTORE_SECONDS", file=sys.stderr)
+            return 2
+    capacity = (
+        plan_capacity(
+            args.params, args.nodes, args.local_keep, args.replication, args.staging_keep, args.s3_keep, args.headroom
+        )
+        if args.params
+        else None
+    )
+    print(json.dumps(as_dict(tiers, capacity, mtbf), indent=2) if args.json else format_plan(tiers, capacity, mtbf))
+    return 0
+
+
 def _drill(args: argparse.Namespace) -> int:
     from pretrain.drill import run_drill
 
@@ -113,6 +148,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", help="<run.dir>/<run.id>, e.g. runs/tiny-run")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+
+    pl = sub.add_parser("plan", help="Young/Daly checkpoint intervals, projected goodput and storage capacity")
+    pl.add_argument("--mtbf-hours", type=float, help="the job's mean time between failures")
+    pl.add_argument("--failures", type=int, help="interruptions seen on a fleet (e.g. 466) ...")
+    pl.add_argument("--days", type=float, help="... over this many days (e.g. 54) ...")
+    pl.add_argument("--cluster-gpus", type=int, help="... on this many GPUs (e.g. 16384)")
+    pl.add_argument("--job-gpus", type=int, help="GPUs this job uses")
+    pl.add_argument(
+        "--tier", action="append", metavar="NAME:SAVE_S:RESTORE_S", help="measured blocked save and restore seconds"
+    )
+    pl.add_argument("--step-seconds", type=float, help="seconds per training step (intervals in steps)")
+    pl.add_argument("--restart-seconds", type=float, default=60.0, help="detection + restart, before the restore")
+    pl.add_argument("--params", type=float, help="model parameters, for the capacity estimate")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--local-keep", type=int, default=2)
+    pl.add_argument("--replication", type=int, default=2)
+    pl.add_argument("--staging-keep", type=int, default=2)
+    pl.add_argument("--s3-keep", type=int, default=5)
+    pl.add_argument("--headroom", type=float, default=0.25, help="0.2-0.3 per the seed")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
 
     dr = sub.add_parser(
         "drill", help="the seed's recovery drill at CPU scale; writes drill-report.{md,json} and a plot"

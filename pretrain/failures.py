@@ -106,7 +106,8 @@ def classify(exc: BaseException) -> FailureInfo:
         t for t in (getattr(dist, "DistError", None), getattr(dist, "DistBackendError", None)) if t
     )
     # NVRx's RankMonitorClientError: the launcher-side monitor of this rank went away.
-    monitor_lost = type(exc).__name__ == "RankMonitorClientError"
+    # RankShouldRestart: NVRx's in-process Wrapper aborted this rank because another one failed.
+    monitor_lost = type(exc).__name__ in ("RankMonitorClientError", "RankShouldRestart")
     peer_lost = monitor_lost or any(m in lowered for m in _PEER_LOST_MARKERS)
     if isinstance(exc, dist_errors) or peer_lost or isinstance(exc, (ConnectionError, TimeoutError)):
         return FailureInfo(Classification.INFRASTRUCTURE.value, message, 1, peer_lost=True, traceback_tail=tail)

@@ -19,6 +19,13 @@ except ImportError:  # pragma: no cover - NVRx is a hard dependency; keep the na
     FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR = "FT_RANK_MONITOR_IPC_SOCKET"
 
 
+def first_attempt() -> bool:
+    """The launcher's first start and, with in-process restarts, the first incarnation."""
+    from pretrain.inprocess import incarnation
+
+    return launcher_restart_count() == 0 and incarnation() == 0
+
+
 def launcher_restart_count() -> int:
     """How many times the launcher restarted the worker group (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -147,8 +154,10 @@ def maybe_inject_fault(cfg: Config, rank: int, step: int, record, node: str | No
     """SIGKILL this rank (or every rank of a node) at the configured step, on the first attempt only."""
     inj = cfg.fault_tolerance.inject
     chosen = inj.kill_rank == rank or (inj.kill_node is not None and inj.kill_node == node)
-    first = launcher_restart_count() == 0 or inj.every_attempt
-    if inj.raise_at_step == step:
+    first = first_attempt() or inj.every_attempt
+    if inj.raise_at_step == step and (inj.raise_rank < 0 or (inj.raise_rank == rank and first)):
+        if inj.raise_rank >= 0:
+            record("fault_injected", force=True, rank=rank, step=step, signal="exception", node=node)
         raise RuntimeError(f"injected user-code error at step {step}")
     if chosen and inj.kill_at_step == step and first:
         record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL", node=node)

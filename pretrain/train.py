@@ -74,6 +74,12 @@ def train(cfg: Config) -> RunSummary:
     validate(cfg, world, cuda)  # before any process group exists
     cpu_shims.install()
 
+    if cfg.fault_tolerance.inprocess.enabled:
+        from pretrain.inprocess import run_inprocess
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29555")
+        return run_inprocess(cfg, lambda: _train_in_group(cfg, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)))
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # a plain single-process run
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -169,9 +175,13 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
             topology,
             len(dataset),
         )
+    from pretrain.inprocess import incarnation
+
     runlog.event(
         "start",
         rank_count=world,
+        incarnation=incarnation(),
+        pids=coll.all_gather(os.getpid()),
         topology=topology,
         launcher_restart_count=launcher_restart_count(),
         host=os.uname().nodename,

@@ -9,6 +9,7 @@ Loading needs the same topology; another topology falls back to the reshardable 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = "per-rank-torch/v1"
 STATE_FILE = "state.pt"
+
+# The newest tier-1 payload this process committed, per (run, rank): it outlives an in-process
+# restart (same process), so the next incarnation restores without reading the disk.
+_HOST_COPIES: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
 
 
 class PerRankCheckpoints:
@@ -119,9 +124,11 @@ class PerRankCheckpoints:
         error = None
         published: Path | None = None
         tmp: Path | None = None
+        payload: dict[str, Any] | None = None
         try:
             tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
-            torch.save(self._payload(state), tmp / STATE_FILE)
+            payload = self._payload(state)
+            torch.save(payload, tmp / STATE_FILE)
         except (PublishError, OSError) as exc:
             error = str(exc)
         except Exception as exc:
@@ -149,6 +156,9 @@ class PerRankCheckpoints:
         errors = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
         if errors:
             raise PublishError(f"step {state.step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
+        ipc = self.cfg.fault_tolerance.inprocess
+        if ipc.enabled and ipc.keep_host_copy and payload is not None:
+            _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
         if report.under_replicated and self.rank == 0:
             log.warning(
                 "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
@@ -204,6 +214,23 @@ class PerRankCheckpoints:
     def load(self, restore: PeerRestore, state: TrainingState) -> None:
         payload = torch.load(restore.path / STATE_FILE, map_location="cpu", weights_only=True)
         apply_trainer_state(state, payload["trainer"], restore.path / STATE_FILE)
+        state.model.load_state_dict(payload["model"], strict=True)
+        state.optimizer.load_local_state_dict(payload["optimizer"])
+        restore_rng(payload["rank_state"]["rng"])
+
+    def host_copy_step(self) -> int | None:
+        """Step of this rank's host-memory copy, if it is still the committed step on disk (a
+        stat, not a read: quarantined or superseded steps lose their copy's validity)."""
+        entry = _HOST_COPIES.get((self.run_id, self.rank))
+        if entry is None or not (self.store.step_path(entry[0]) / "COMMITTED").is_file():
+            return None
+        return entry[0]
+
+    def load_host_copy(self, state: TrainingState) -> None:
+        step, cached = _HOST_COPIES[(self.run_id, self.rank)]
+        # A copy: optimizers keep references to loaded tensors and update them in place.
+        payload = copy.deepcopy(cached)
+        apply_trainer_state(state, payload["trainer"], Path(f"<host-memory copy of step {step}>"))
         state.model.load_state_dict(payload["model"], strict=True)
         state.optimizer.load_local_state_dict(payload["optimizer"])
         restore_rng(payload["rank_state"]["rng"])

@@ -182,3 +182,15 @@ def _warm_up_writer() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._get_write_results_queue()
+
+
+def reset_writer() -> None:
+    """After an in-process restart: forget Megatron's writer Manager (its process does not survive
+    the restart; the next save would get a broken pipe) and warm a new one on the next start."""
+    global _warmup_thread
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    wait_for_writer_warmup()
+    with _warmup_lock:
+        _warmup_thread = None
+    filesystem_async._results_queue = None

@@ -167,6 +167,9 @@ class TieredCheckpointer:
 
     def _restore(self, state: TrainingState) -> RestoreResult | None:
         t0 = time.perf_counter()
+        host = self._restore_from_host(state, t0)
+        if host is not None:
+            return host
         notes: list[str] = []
         plan = self.local.plan_restore() if self.local is not None else None
         if plan is not None and plan.skipped_topology:
@@ -196,6 +199,33 @@ class TieredCheckpointer:
         if peer is not None:  # the reshardable tier had nothing newer that verified
             return self._load_peer(peer, plan, state, t0, notes, rejected)
         return None
+
+    def _restore_from_host(self, state: TrainingState, t0: float) -> RestoreResult | None:
+        """Collective: after an in-process restart, every rank still holds the newest committed
+        tier-1 step in memory; if no tier has anything newer on disk, load it without any read."""
+        if self.local is None:
+            return None
+        mine = self.local.host_copy_step()
+        newest = self.local.store.committed_steps()[:1]
+        if self.reshardable is not None:
+            newest.append(self.reshardable.newest_committed() or -1)
+        on_disk = max(newest, default=-1)
+        rows = self.coll.all_gather((mine, on_disk))
+        if mine is None or any(m != mine for m, _ in rows) or max(d for _, d in rows) > mine:
+            return None
+        self.local.load_host_copy(state)
+        self.coll.barrier()
+        return RestoreResult(
+            "memory",
+            mine,
+            time.perf_counter() - t0,
+            0.0,
+            True,
+            [],
+            self.local.store.step_path(mine),
+            [],
+            [f"step {mine} restored from host memory (in-process restart); no disk read"],
+        )
 
     def _fetch_from_s3(self, best_local: int, notes: list[str]) -> int | None:
         """Collective: if the object store has a newer committed step than every local tier, rank 0

@@ -1,0 +1,114 @@
+"""In-process restart (``fault_tolerance.inprocess.enabled``) with NVRx's ``inprocess.Wrapper``.
+
+A fault on any rank (an exception, a rank that stops making progress) aborts every rank's
+collectives and re-runs the training function in the *same* processes, so a restart costs a
+process-group rendezvous and a restore from host memory instead of new processes, imports and
+a disk read. What cannot be interrupted in-process (a hang inside native code) is left to the
+outer layer: the hard timeout terminates the rank and ``ft_launcher`` restarts the group.
+
+Each incarnation creates its process group and Megatron's parallel state itself, on a fresh
+prefix of a TCP store made once per process (re-initialising torch.distributed against the same
+store keys fails); ``ResetTrainingState`` tears them down between incarnations. The threaded
+finalizer that NVRx ships needs CUDA, hence our own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import Config
+
+log = logging.getLogger(__name__)
+
+ITERATION_ENV = "RP_INPROCESS_ITERATION"
+
+
+def incarnation() -> int:
+    """Index of the current in-process restart (0 without in-process restarts)."""
+    return int(os.environ.get(ITERATION_ENV, "0"))
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+def _reset_training_state() -> None:
+    from megatron.core import parallel_state
+
+    from pretrain.checkpointing.reshardable import reset_writer
+
+    reset_writer()
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
+    """Run ``body`` (one attempt, process group already up) under the in-process Wrapper."""
+    from nvidia_resiliency_ext import inprocess
+
+    class ResetTrainingState(inprocess.finalize.Finalize):
+        """Plain (unthreaded) finalize: Megatron parallel state and process groups down."""
+
+        def __call__(self, state: Any) -> Any:
+            _reset_training_state()
+            return state
+
+    ipc = cfg.fault_tolerance.inprocess
+    host = os.environ["MASTER_ADDR"]
+    base_port = ipc.store_port or int(os.environ["MASTER_PORT"]) + 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The store the process groups rendezvous on: made once, a fresh prefix per incarnation.
+    pg_store = dist.TCPStore(
+        host, base_port + 1, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"port": base_port, "timeout": _seconds(ipc.barrier_timeout)},
+        abort=inprocess.abort.AbortTorchDistributed(),
+        finalize=ResetTrainingState(),
+        monitor_thread_interval=_seconds(ipc.monitor_interval),
+        monitor_process_interval=_seconds(ipc.monitor_interval),
+        heartbeat_interval=_seconds(ipc.monitor_interval),
+        progress_watchdog_interval=_seconds(ipc.monitor_interval),
+        last_call_wait=_seconds(ipc.last_call_wait),
+        soft_timeout=_seconds(ipc.soft_timeout),
+        hard_timeout=_seconds(ipc.hard_timeout),
+        heartbeat_timeout=_seconds(ipc.heartbeat_timeout),
+        barrier_timeout=_seconds(ipc.barrier_timeout),
+        completion_timeout=_seconds(ipc.barrier_timeout),
+    )
+
+    def one_incarnation(call_wrapper: inprocess.CallWrapper | None = None) -> Any:
+        iteration = call_wrapper.iteration if call_wrapper is not None else 0
+        os.environ[ITERATION_ENV] = str(iteration)
+        if iteration:
+            log.warning("in-process restart %d: rebuilding the process group", iteration)
+        store = dist.PrefixStore(f"incarnation-{iteration}", pg_store)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            # gloo cannot abort a collective in flight: a peer blocked on a rank that failed
+            # waits until this timeout (NCCL is aborted by the Wrapper right away).
+            timeout=_seconds(ipc.collective_timeout),
+        )
+        try:
+            return body()
+        finally:
+            _reset_training_state()
+
+    # The Wrapper finds the parameter to fill by its annotation's class; with postponed
+    # annotations it would see a string.
+    one_incarnation.__annotations__ = {"call_wrapper": inprocess.CallWrapper, "return": Any}
+    return wrapper(one_incarnation)()

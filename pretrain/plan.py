@@ -1,0 +1,142 @@
+"""``pretrain plan``: checkpoint intervals, projected goodput and storage capacity.
+
+Intervals: Young's first-order optimum ``sqrt(2 * delta * M)`` and Daly's higher-order one
+``sqrt(2 delta M) * (1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9) - delta`` (``M`` if
+``delta >= 2M``), where ``delta`` is what one save costs training (the blocked time, not the
+background write) and ``M`` the job's mean time between failures.
+
+Goodput (first order): each interval pays ``delta``; each failure loses on average half an
+interval of work plus the restart cost ``R`` (detection, restart, restore, warm-up):
+``goodput = 1 - delta / tau - (R + tau / 2) / M``.
+
+Capacity: a full checkpoint holds, per parameter, the bf16 weights (2 B), the fp32 master copy
+(4 B) and Adam's two moments (4 B + 4 B) = 14 B. Tier 1 keeps ``keep`` steps per node, times the
+replication factor (own shards plus the replicas it holds); plus 20-30 % headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+BYTES_PER_PARAM = {"bf16_weights": 2, "fp32_master": 4, "adam_m": 4, "adam_v": 4}
+
+
+def mtbf_from_failures(failures: int, days: float, cluster_gpus: int, job_gpus: int) -> float:
+    """Job MTBF (s) from a fleet's record, e.g. 466 interruptions in 54 days on 16,384 GPUs: failures
+    scale with the GPUs a job uses, so a job on ``job_gpus`` sees ``failures * job_gpus / cluster_gpus``."""
+    if failures <= 0 or days <= 0 or cluster_gpus <= 0 or job_gpus <= 0:
+        raise ValueError("failures, days and GPU counts must be positive")
+    return days * 86400.0 * cluster_gpus / (failures * job_gpus)
+
+
+def young_interval(save_s: float, mtbf_s: float) -> float:
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def daly_interval(save_s: float, mtbf_s: float) -> float:
+    if save_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = save_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - save_s
+
+
+def goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
+    return max(0.0, 1.0 - save_s / interval_s - (restart_s + interval_s / 2.0) / mtbf_s)
+
+
+@dataclass
+class TierPlan:
+    tier: str
+    save_seconds: float
+    restore_seconds: float
+    young_interval_s: float
+    daly_interval_s: float
+    interval_steps: int | None
+    goodput: float
+
+
+@dataclass
+class CapacityPlan:
+    params: float
+    bytes_per_param: int
+    checkpoint_bytes: float
+    per_node_tier1_bytes: float
+    staging_bytes: float
+    s3_bytes: float
+    headroom: float
+
+
+def plan_tier(
+    tier: str, save_s: float, restore_s: float, mtbf_s: float, step_s: float | None, detect_restart_s: float
+) -> TierPlan:
+    if save_s <= 0 or mtbf_s <= 0:
+        raise ValueError(f"tier {tier}: save cost and MTBF must be positive")
+    tau = daly_interval(save_s, mtbf_s)
+    steps = max(1, round(tau / step_s)) if step_s else None
+    return TierPlan(
+        tier,
+        save_s,
+        restore_s,
+        young_interval(save_s, mtbf_s),
+        tau,
+        steps,
+        goodput(tau, save_s, detect_restart_s + restore_s, mtbf_s),
+    )
+
+
+def plan_capacity(
+    params: float,
+    nodes: int,
+    local_keep: int,
+    replication_factor: int,
+    staging_keep: int,
+    s3_keep: int,
+    headroom: float,
+) -> CapacityPlan:
+    if params <= 0 or nodes <= 0:
+        raise ValueError("params and nodes must be positive")
+    per_param = sum(BYTES_PER_PARAM.values())
+    ckpt = params * per_param
+    grow = 1.0 + headroom
+    return CapacityPlan(
+        params,
+        per_param,
+        ckpt,
+        ckpt / nodes * local_keep * replication_factor * grow,
+        ckpt * staging_keep * grow,
+        ckpt * s3_keep * grow,
+        headroom,
+    )
+
+
+def format_plan(tiers: list[TierPlan], capacity: CapacityPlan | None, mtbf_s: float) -> str:
+    lines = [f"job MTBF: {mtbf_s:.0f} s ({mtbf_s / 3600:.2f} h)", ""]
+    lines.append(
+        f"{'tier':<12} {'save s':>8} {'restore s':>10} {'Young s':>9} {'Daly s':>9} {'steps':>7} {'goodput':>8}"
+    )
+    for t in tiers:
+        steps = "-" if t.interval_steps is None else str(t.interval_steps)
+        lines.append(
+            f"{t.tier:<12} {t.save_seconds:>8.2f} {t.restore_seconds:>10.1f} {t.young_interval_s:>9.0f} "
+            f"{t.daly_interval_s:>9.0f} {steps:>7} {t.goodput:>8.2%}"
+        )
+    if capacity is not None:
+        gb = 1e9
+        lines += [
+            "",
+            f"checkpoint: {capacity.params / 1e9:.2f} B params x {capacity.bytes_per_param} B "
+            f"(bf16 weights + fp32 master + Adam m, v) = {capacity.checkpoint_bytes / gb:.1f} GB",
+            f"tier 1 per node (keep x replication, +{capacity.headroom:.0%}): "
+            f"{capacity.per_node_tier1_bytes / gb:.1f} GB",
+            f"staging (shared FS): {capacity.staging_bytes / gb:.1f} GB;  S3: {capacity.s3_bytes / gb:.1f} GB",
+        ]
+    return "\n".join(lines)
+
+
+def as_dict(tiers: list[TierPlan], capacity: CapacityPlan | None, mtbf_s: float) -> dict[str, object]:
+    return {
+        "mtbf_seconds": mtbf_s,
+        "tiers": [asdict(t) for t in tiers],
+        "capacity": asdict(capacity) if capacity else None,
+    }
