@@ -145,11 +145,27 @@ class S3TierConfig:
 
 
 @dataclass
+class AsyncSaveConfig:
+    """Tier-1 saves in the background (YAML key ``checkpoint.async``): training pays for a snapshot."""
+
+    enabled: bool = True
+    # fork: copy-on-write snapshot by os.fork (CPU); thread: explicit host copy + writer thread
+    # (any device); auto: fork on CPU, thread on GPU (forking a CUDA process is unsafe).
+    mode: Literal["auto", "fork", "thread"] = "auto"
+    max_in_flight: int = 1
+    # A save due while one is in flight: wait for it, or skip this one (logged and counted).
+    when_busy: Literal["wait", "skip"] = "wait"
+
+
+@dataclass
 class CheckpointConfig:
     local: LocalTierConfig = field(default_factory=LocalTierConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     reshardable: ReshardableTierConfig = field(default_factory=ReshardableTierConfig)
     s3: S3TierConfig = field(default_factory=S3TierConfig)
+    async_: AsyncSaveConfig = field(default_factory=AsyncSaveConfig)  # YAML: async
+    # A save that fails (writer died, disk full, ...): log it and train on, or stop the job.
+    on_save_error: Literal["continue", "stop"] = "continue"
     load: bool = True
 
 
@@ -173,6 +189,10 @@ class FaultInjectionConfig:
     slow_save_seconds: float = 0.0
     # hang_rank hangs in native code (libc pause()) instead of a Python sleep loop.
     hang_native: bool = False
+    # The background writer of the tier-1 save at this step: "fail" (raises) or "hang" (until killed).
+    writer_fault_at_step: int = -1
+    writer_fault: str | None = None
+    writer_fault_rank: int = 0
     # Raise a (user-code) RuntimeError at raise_at_step: on every rank and every attempt (a
     # deterministic bug), or only on raise_rank in the first attempt (a transient fault).
     raise_rank: int = -1
@@ -246,6 +266,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source")
+        out["checkpoint"]["async"] = out["checkpoint"].pop("async_")
         return out
 
 
@@ -303,6 +324,8 @@ def _build(cls: type, data: Any, prefix: str, source: str) -> Any:
         )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    # Python keywords are spelled with a trailing underscore in the dataclass (checkpoint.async).
+    data = {(f"{k}_" if f"{k}_" in fields and k not in fields else k): v for k, v in data.items()}
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -493,6 +516,14 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
                 "keep and concurrency must be >= 1, multipart_chunk_mb >= 5 (S3's minimum)",
                 "fix the S3 tier numbers",
             )
+    if cfg.checkpoint.async_.max_in_flight != 1:
+        fail(
+            "checkpoint.async.max_in_flight",
+            f"{cfg.checkpoint.async_.max_in_flight} is not supported",
+            "use 1 (one tier-1 save in flight; a second one would double the snapshot memory)",
+        )
+    if cfg.checkpoint.async_.mode == "fork" and cuda:
+        fail("checkpoint.async.mode", "fork is unsafe in a CUDA process", "use thread (or auto)")
     if cfg.checkpoint.replication.timeout_s <= 0:
         fail("checkpoint.replication.timeout_s", "must be > 0", "give a bound in seconds")
     if not cfg.checkpoint.local.enabled and not cfg.checkpoint.reshardable.enabled:

@@ -49,6 +49,7 @@ class TrainingMetrics:
         self.save_seconds: dict[str, _Histogram] = {}
         self.load_seconds: dict[str, _Histogram] = {}
         self.save_failures: Tally[str] = Tally()
+        self.save_skips: Tally[str] = Tally()
         self.queue_depth = 0
         self.uncommitted = 0
         self.restarts: Tally[str] = Tally()
@@ -101,6 +102,10 @@ class TrainingMetrics:
         with self._lock:
             self.save_failures[tier] += 1
 
+    def save_skipped(self, tier: str) -> None:
+        with self._lock:
+            self.save_skips[tier] += 1
+
     def loaded(self, tier: str, seconds: float) -> None:
         with self._lock:
             self.load_seconds.setdefault(tier, _Histogram()).observe(seconds)
@@ -140,6 +145,12 @@ class TrainingMetrics:
                 "checkpoint_save_failures", "Checkpoint saves that were not published", labels=[*labels, "tier"]
             )
             for tier, n in sorted(self.save_failures.items()):
+                c.add_metric([*rid, tier], n)
+            yield c
+            c = CounterMetricFamily(
+                "checkpoint_save_skips", "Saves skipped because one was still in flight", labels=[*labels, "tier"]
+            )
+            for tier, n in sorted(self.save_skips.items()):
                 c.add_metric([*rid, tier], n)
             yield c
             g = GaugeMetricFamily(

@@ -9,7 +9,8 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,7 @@ class AttemptContext:
     watch: PreemptionWatch
     metrics: TrainingMetrics
     previous_failure: dict[str, Any] | None
+    on_abort: list[Callable[[], None]] = field(default_factory=list)
 
 
 def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
@@ -298,6 +300,8 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
     except JobStopped:
         raise
     except BaseException as exc:
+        for abort in ctx.on_abort:
+            abort()  # e.g. stop a background writer: its step will not be committed
         info = classify(exc)
         record_failure(rdir, attempt, rank, info)
         if isinstance(exc, PreemptedError):
@@ -327,6 +331,8 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     session = build_session(cfg, rank, world, ctx.id)
     monitor = session.monitor
     monitor.leaving = lambda: watch.requested
+    if session.ckpt.local is not None:
+        ctx.on_abort.append(session.ckpt.local.abandon_async)
     restored = restore_latest(session)
     attempts.restored(
         restored.tier if restored else None,
@@ -399,40 +405,22 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
             monitor.start("checkpointing")
             maybe_slow_save(cfg, step)
         for tier in due:
+            if tier is session.ckpt.local and cfg.checkpoint.async_.enabled:
+                _start_background_save(session, ctx)
+                continue
             try:
-                saved = session.ckpt.save(tier, state)
-                saved_local = saved_local or saved.tier == "local"
-                metrics.saved(saved.tier, saved.seconds)
-                runlog.event(
-                    "save",
-                    tier=saved.tier,
-                    step=step,
-                    seconds=saved.seconds,
-                    bytes=saved.bytes,
-                    replication_seconds=saved.replication_seconds,
-                    under_replicated=saved.under_replicated,
-                )
-                attempts.progress(step, **{f"last_saved_{saved.tier}": step})
-                if rank == 0:
-                    extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
-                    log.info(
-                        "saved step %d to tier %s: %.1f MB in %.2fs%s",
-                        step,
-                        saved.tier,
-                        saved.bytes / 1e6,
-                        saved.seconds,
-                        extra,
-                    )
+                _report_saved(session, ctx, session.ckpt.save(tier, state))
+                saved_local = saved_local or tier is session.ckpt.local
             except PublishError as exc:
-                # The step is not published in this tier; older steps are intact. Training goes on
-                # and the next interval tries again.
-                log.error("checkpoint at step %d failed: %s", step, exc)
-                runlog.event("save_failed", tier=tier.name, step=step, error=str(exc))
-                metrics.save_failed(tier.name)
+                _report_failed(session, ctx, tier.name, step, exc)
             monitor.beat()
+        done = _poll_background(session, ctx, block=leave)
+        saved_local = saved_local or (done is not None and done.step == step)
         monitor.end("checkpointing")
         if leave:
             _leave_on_preemption(session, attempts, watch, saved_local)
+    # The final step's tier-1 save must be durable before the attempt counts as finished.
+    _poll_background(session, ctx, block=True)
     elapsed = time.perf_counter() - t_start
     done = state.step - first_step + 1
     runlog.event("finish", step=state.step, steps=done, seconds=elapsed)
@@ -446,6 +434,78 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
         restored.seconds if restored else 0.0,
         done / elapsed if elapsed > 0 and done > 0 else 0.0,
     )
+
+
+def _report_saved(session: Session, ctx: AttemptContext, saved: Any) -> None:
+    ctx.metrics.saved(saved.tier, saved.seconds)
+    session.runlog.event(
+        "save",
+        tier=saved.tier,
+        step=saved.step,
+        seconds=saved.seconds,
+        blocked_seconds=saved.blocked_seconds,
+        bytes=saved.bytes,
+        replication_seconds=saved.replication_seconds,
+        under_replicated=saved.under_replicated,
+    )
+    ctx.records.progress(session.state.step, **{f"last_saved_{saved.tier}": saved.step})
+    if session.rank == 0:
+        extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
+        blocked = f" (training blocked {saved.blocked_seconds:.3f}s)" if saved.blocked_seconds is not None else ""
+        log.info(
+            "saved step %d to tier %s: %.1f MB in %.2fs%s%s",
+            saved.step,
+            saved.tier,
+            saved.bytes / 1e6,
+            saved.seconds,
+            extra,
+            blocked,
+        )
+
+
+def _report_failed(session: Session, ctx: AttemptContext, tier: str, step: int, exc: Exception) -> None:
+    """The step is not published in this tier; older steps are intact. Training goes on (the next
+    interval tries again) unless checkpoint.on_save_error is stop."""
+    log.error("checkpoint of step %d failed: %s", step, exc)
+    session.runlog.event("save_failed", tier=tier, step=step, error=str(exc))
+    ctx.metrics.save_failed(tier)
+    if session.cfg.checkpoint.on_save_error == "stop":
+        raise exc
+
+
+def _start_background_save(session: Session, ctx: AttemptContext) -> None:
+    local = session.ckpt.local
+    step = session.state.step
+    final = step == session.cfg.train.steps  # the last step is never skipped
+    if local.in_flight is not None:
+        if session.cfg.checkpoint.async_.when_busy == "skip" and not final:
+            log.warning("tier-1 save of step %d skipped: step %d is still being written", step, local.in_flight)
+            session.runlog.event("save_skipped", tier="local", step=step, in_flight=local.in_flight)
+            ctx.metrics.save_skipped("local")
+            return
+        _poll_background(session, ctx, block=True)
+    local.start_async(session.state)
+    ctx.metrics.queue_depth = ctx.metrics.uncommitted = 1
+
+
+def _poll_background(session: Session, ctx: AttemptContext, block: bool) -> Any:
+    """Collective while a tier-1 save is in flight: publish it when every writer is done."""
+    from tiering.errors import PublishError
+
+    local = session.ckpt.local
+    if local is None or local.in_flight is None:
+        return None
+    step = local.in_flight
+    try:
+        saved = local.poll_async(block)
+    except PublishError as exc:
+        ctx.metrics.queue_depth = ctx.metrics.uncommitted = 0
+        _report_failed(session, ctx, "local", step, exc)
+        return None
+    if saved is not None:
+        ctx.metrics.queue_depth = ctx.metrics.uncommitted = 0
+        _report_saved(session, ctx, saved)
+    return saved
 
 
 def _non_finite(session: Session, restored: Any, step: int, loss: float, grad_norm: float) -> None:

@@ -74,6 +74,7 @@ class PerRankCheckpoints:
         self.publisher = PosixStepPublisher(self.store.layout, SingleProcess(), attempt)
         self._record_event = record_event
         self._last_bytes = 0
+        self._inflight: dict[str, Any] | None = None
         rep = cfg.checkpoint.replication
         self.node = node_name(rep.node)
         pairs = coll.all_gather((self.node, failure_domain(self.node, rep.domains)))
@@ -114,7 +115,7 @@ class PerRankCheckpoints:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, state: TrainingState, deadline: float | None = None) -> SaveResult:
-        """Collective. Raises PublishError on every rank if any rank could not publish its step.
+        """Collective, synchronous. Raises PublishError on every rank if any rank could not publish.
 
         All or nothing: a rank commits its part only when every rank wrote its own, so a step is
         never half-present in tier 1. ``deadline`` (``time.monotonic()``) bounds an emergency save:
@@ -122,7 +123,6 @@ class PerRankCheckpoints:
         """
         t0 = time.perf_counter()
         error = None
-        published: Path | None = None
         tmp: Path | None = None
         payload: dict[str, Any] | None = None
         try:
@@ -135,47 +135,128 @@ class PerRankCheckpoints:
             error = one_line(exc)
         if error is None and deadline is not None and time.monotonic() > deadline:
             error = "emergency save deadline passed before commit"
+        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+        result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0)
+        ipc = self.cfg.fault_tolerance.inprocess
+        if ipc.enabled and ipc.keep_host_copy and payload is not None:
+            _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
+        return result
+
+    # -- background saves -------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int | None:
+        """The step being written in the background, if any."""
+        return self._inflight["step"] if self._inflight is not None else None
+
+    def start_async(self, state: TrainingState) -> float:
+        """Snapshot this rank's state and write it in the background; returns the seconds training
+        was blocked. Every rank starts at the same step; :meth:`poll_async` publishes it."""
+        from pretrain.checkpointing.async_writer import BackgroundWrite
+
+        assert self._inflight is None, "one tier-1 save in flight at most"
+        t0 = time.perf_counter()
+        entry: dict[str, Any] = {"step": state.step, "t0": t0, "tmp": None, "write": None, "error": None}
+        try:
+            entry["tmp"] = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
+            entry["manifest"] = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+            inj = self.cfg.fault_tolerance.inject
+            chosen = inj.writer_fault_at_step == state.step and inj.writer_fault_rank == self.rank
+            fault = inj.writer_fault if chosen else None
+            entry["write"] = BackgroundWrite(self._async_mode(), self._payload(state), entry["tmp"] / STATE_FILE, fault)
+        except (PublishError, OSError) as exc:
+            entry["error"] = str(exc)
+        except Exception as exc:
+            entry["error"] = one_line(exc)
+        entry["blocked"] = time.perf_counter() - t0
+        self._inflight = entry
+        write = entry["write"]
+        if self._record_event is not None and write is not None:
+            self._record_event(
+                "save_started", tier="local", step=state.step, writer_pid=write.pid, blocked=entry["blocked"]
+            )
+        return entry["blocked"]
+
+    def poll_async(self, block: bool = False) -> SaveResult | None:
+        """Collective while a save is in flight: publish it once every rank's writer is done.
+
+        Returns None while any writer runs (unless ``block``); the SaveResult once committed;
+        raises PublishError (on every rank) if any writer failed or died: the step is not committed
+        and its temporary directory is gone, older steps are intact.
+        """
+        entry = self._inflight
+        if entry is None:
+            return None
+        write = entry["write"]
+        outcome = write.poll(block) if write is not None else None
+        if write is not None and outcome is None:
+            status = "running"
+        else:
+            status = entry["error"] or (outcome.error if outcome is not None else None) or "ok"
+        statuses = self.coll.all_gather(status)
+        if "running" in statuses:
+            if not block:
+                return None
+            raise AssertionError("a blocking poll cannot see a running writer")  # pragma: no cover
+        self._inflight = None
+        error = None if status == "ok" else status
+        return self._publish(entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], entry["blocked"])
+
+    def abandon_async(self) -> None:
+        """Leaving without publishing (an exception unwinds the loop): stop a fork writer."""
+        if self._inflight is not None and self._inflight["write"] is not None:
+            self._inflight["write"].kill()
+        self._inflight = None
+
+    def _async_mode(self) -> str:
+        mode = self.cfg.checkpoint.async_.mode
+        if mode == "auto":
+            return "thread" if torch.cuda.is_available() else "fork"
+        return mode
+
+    def _publish(
+        self, step: int, tmp: Path | None, manifest: Any, error: str | None, t0: float, blocked_s: float
+    ) -> SaveResult:
+        """Collective tail of every save: agree, commit or abort, replicate, apply retention."""
+        published: Path | None = None
         failed = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
         if tmp is not None:
             peer_error = f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
             try:
-                manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+                if manifest is None:
+                    raise PublishError(f"{tmp}: no manifest ({error})")
                 self.publisher.commit(tmp, manifest, local_error=error or peer_error)
                 self._last_bytes = manifest.total_bytes
-                published = self.store.step_path(state.step)
+                published = self.store.step_path(step)
             except (PublishError, OSError) as exc:
                 error = error or str(exc)
         if error:
-            log.error("rank %d: local save of step %d failed: %s", self.rank, state.step, error)
+            log.error("rank %d: local save of step %d failed: %s", self.rank, step, error)
         local_s = time.perf_counter() - t0
-        report = self.replicator.replicate(state.step, published)
+        report = self.replicator.replicate(step, published)
         replication_s = time.perf_counter() - t0 - local_s
         if published is not None:
-            for step in self.store.apply_retention():
-                log.debug("retention: deleted local step %d (keep=%d)", step, self.keep)
+            for old in self.store.apply_retention(protected={step}):
+                log.debug("retention: deleted local step %d (keep=%d)", old, self.keep)
         errors = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
         if errors:
-            raise PublishError(f"step {state.step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
-        ipc = self.cfg.fault_tolerance.inprocess
-        if ipc.enabled and ipc.keep_host_copy and payload is not None:
-            _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
+            raise PublishError(f"step {step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
         if report.under_replicated and self.rank == 0:
             log.warning(
                 "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
-                state.step,
+                step,
                 report.under_replicated,
                 self.cfg.checkpoint.replication.factor,
                 next(iter(report.failures.values())),
             )
-        nbytes = self._last_bytes
         return SaveResult(
             self.name,
-            state.step,
+            step,
             local_s,
-            nbytes,
-            published or self.store.step_path(state.step),
+            self._last_bytes,
+            published or self.store.step_path(step),
             report.under_replicated,
             replication_s,
+            blocked_seconds=blocked_s,
         )
 
     def _payload(self, state: TrainingState) -> dict[str, Any]:

@@ -67,6 +67,7 @@ class SaveResult:
     path: Path
     under_replicated: list[int] = field(default_factory=list)
     replication_seconds: float = 0.0
+    blocked_seconds: float | None = None  # training's share of the save (background saves: the snapshot)
 
 
 @dataclass

@@ -1,0 +1,168 @@
+"""Background tier-1 saves: the committed step is the state at the save, whatever training did
+afterwards; a killed or failing writer never commits and training goes on; a save due while one
+is in flight waits or is skipped; retention keeps what a save or an upload still uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.checkpointing.async_writer import BackgroundWrite
+from pretrain.launch import ft_launcher_command
+from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
+from tiering.local import LocalTier
+
+
+@pytest.mark.parametrize("mode", ["fork", "thread"])
+def test_the_written_snapshot_is_the_state_at_the_save(tmp_path: Path, mode: str) -> None:
+    weights = {"w": torch.randn(512, 512), "m": torch.zeros(512, 512), "step": 7}
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+    write = BackgroundWrite(mode, {"model": weights}, tmp_path / "state.pt")
+    for _ in range(20):  # training goes on and changes the tensors in place
+        weights["w"].add_(1.0)
+        weights["m"].mul_(0.5).add_(3.0)
+    outcome = write.poll(block=True)
+    assert outcome is not None and outcome.ok, outcome
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)["model"]
+    assert torch.equal(saved["w"], expected["w"]) and torch.equal(saved["m"], expected["m"])
+    assert saved["step"] == 7 and not torch.equal(weights["w"], expected["w"])
+
+
+def test_a_failing_writer_reports_its_cause(tmp_path: Path) -> None:
+    write = BackgroundWrite("fork", {"x": torch.ones(3)}, tmp_path / "state.pt", fault="fail")
+    outcome = write.poll(block=True)
+    assert outcome is not None and not outcome.ok and "injected writer failure" in outcome.error
+
+
+def _steps(root: Path, rank: int) -> list[int]:
+    d = root / "ranks" / f"rank-{rank:05d}" / "steps"
+    return sorted(int(p.name.split("-")[1]) for p in d.glob("step-*") if ".tmp" not in p.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fork", "thread"])
+def test_background_and_synchronous_saves_hold_identical_state(tmp_path: Path, corpus: Path, mode: str) -> None:
+    common = {"train.steps": 20, "checkpoint.reshardable.interval": 100}
+    runs = {}
+    for name, extra in (("sync", {"checkpoint.async.enabled": "false"}), (mode, {"checkpoint.async.mode": mode})):
+        job = tmp_path / name
+        torchrun(job, 2, overrides_for(job, corpus, **common, **extra))
+        runs[name] = job
+    for rank in (0, 1):
+        for step in (10, 20):
+            a, b = (
+                torch.load(
+                    runs[n] / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "steps" / f"step-{step:09d}" / "state.pt",
+                    weights_only=True,
+                )
+                for n in ("sync", mode)
+            )
+            assert a["model"].keys() == b["model"].keys()
+            for key, tensor in a["model"].items():
+                other = b["model"][key]
+                same = torch.equal(tensor, other) if isinstance(tensor, torch.Tensor) else tensor == other
+                assert same, (rank, step, key)
+            assert a["trainer"]["step"] == b["trainer"]["step"] == step
+    saves = [e for e in events(runs[mode] / "runs" / "t") if e["event"] == "save" and e["tier"] == "local"]
+    assert [e["step"] for e in saves] == [10, 20] and all(e["blocked_seconds"] < e["seconds"] for e in saves)
+
+
+@pytest.mark.slow
+def test_a_killed_writer_never_commits_and_the_next_save_works(tmp_path: Path, corpus: Path) -> None:
+    over = overrides_for(
+        tmp_path,
+        corpus,
+        **{
+            "train.steps": 60,
+            "checkpoint.reshardable.interval": 1000,
+            "fault_tolerance.inject.writer_fault_at_step": 20,
+            "fault_tolerance.inject.writer_fault": "hang",
+        },
+    )
+    cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=0, overrides=over)
+    with open(tmp_path / "job.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env(tmp_path), cwd=tmp_path)
+    run_dir = tmp_path / "runs" / "t"
+    deadline = time.monotonic() + 120
+    pid = None
+    while pid is None:
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+        if (run_dir / "events.jsonl").exists():
+            started = [e for e in events(run_dir) if e["event"] == "save_started" and e["step"] == 20]
+            pid = started[0]["writer_pid"] if started else None
+        time.sleep(0.1)
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)  # the background writer process, mid-save
+    assert proc.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    ev = events(run_dir)
+    failed = [e for e in ev if e["event"] == "save_failed"]
+    assert [(e["tier"], e["step"]) for e in failed] == [("local", 20)]
+    assert "killed by signal 9" in failed[0]["error"]
+    saved = [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local"]
+    assert saved == [10, 30, 40, 50, 60], "the save after the killed one commits, and every later one"
+    for rank in (0, 1):
+        steps = _steps(tmp_path / "ckpt" / "t", rank)
+        assert 20 not in steps and steps == [40, 50, 60], steps
+        assert not list((tmp_path / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "steps").glob("*.tmp*"))
+    assert max(metrics_by_step(run_dir)) == 60
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["wait", "skip"])
+def test_a_save_due_while_one_is_in_flight(tmp_path: Path, corpus: Path, policy: str) -> None:
+    over = overrides_for(
+        tmp_path,
+        corpus,
+        **{
+            "train.steps": 40,
+            "checkpoint.local.interval": 5,
+            "checkpoint.reshardable.interval": 1000,
+            "checkpoint.async.when_busy": policy,
+            "fault_tolerance.inject.writer_fault_at_step": 10,
+            "fault_tolerance.inject.writer_fault": "slow",  # 0.6 s: step 15 (and maybe 20) comes due meanwhile
+        },
+    )
+    torchrun(tmp_path, 2, over)
+    ev = events(tmp_path / "runs" / "t")
+    saved = [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local"]
+    skipped = [e["step"] for e in ev if e["event"] == "save_skipped"]
+    every = list(range(5, 41, 5))
+    if policy == "wait":
+        assert saved == every and not skipped
+    else:
+        assert 15 in skipped and 10 in saved and 40 in saved and not set(saved) & set(skipped)
+        assert sorted(saved + skipped) == every
+    assert max(metrics_by_step(tmp_path / "runs" / "t")) == 40
+
+
+def test_retention_keeps_steps_in_use(tmp_path: Path) -> None:
+    """keep=1: the newest committed step stays while the next one is only in flight (a temporary
+    directory retention never touches); an upload's pin keeps a step past the policy."""
+    from tiering.collective import SingleProcess
+    from tiering.publish import PosixStepPublisher, manifest_for
+
+    tier = LocalTier(tmp_path, "run", keep=1)
+    pub = PosixStepPublisher(tier.layout, SingleProcess(), "a1")
+
+    def publish(step: int) -> None:
+        tmp = pub.begin(step)
+        (tmp / "data.bin").write_bytes(os.urandom(1024))
+        pub.commit(tmp, manifest_for("run", step, 1, {"tp": 1, "pp": 1, "dp": 1}))
+
+    publish(10)
+    in_flight = pub.begin(20)  # written in the background, not committed yet
+    (in_flight / "data.bin").write_bytes(b"partial")
+    assert tier.apply_retention() == [] and tier.committed_steps() == [10]
+    pin = tier.pin(10, "upload")  # the uploader is still sending step 10
+    pub.commit(in_flight, manifest_for("run", 20, 1, {"tp": 1, "pp": 1, "dp": 1}))
+    assert tier.apply_retention() == [] and tier.committed_steps() == [20, 10]
+    pin.unlink()
+    assert tier.apply_retention() == [10] and tier.committed_steps() == [20]
+    assert json.loads((tier.layout.latest_path).read_text())["step"] == 20
