@@ -40,5 +40,10 @@ format: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Speed targets as ratios measured side by side (not part of make test): ~300 MB and ~2 GB states,
+# writes bench/results/<date>.json and .png. Takes several minutes.
+bench: venv sysdeps
+	scripts/bench.sh
+
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -28,16 +28,9 @@ from typing import Any
 import yaml
 
 from pretrain.config import load_config
+from pretrain.demo import FT_CONFIG
 from pretrain.launch import ft_launcher_command
 
-FT_CONFIG = {
-    "fault_tolerance": {
-        "initial_rank_heartbeat_timeout": 120.0,
-        "rank_heartbeat_timeout": 60.0,
-        "workload_check_interval": 1.0,
-        "rank_termination_signal": "SIGKILL",
-    }
-}
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
 
 

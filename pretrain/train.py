@@ -437,6 +437,7 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
 
 
 def _report_saved(session: Session, ctx: AttemptContext, saved: Any) -> None:
+    session.ckpt.committed(saved.step)
     ctx.metrics.saved(saved.tier, saved.seconds)
     session.runlog.event(
         "save",

@@ -134,11 +134,13 @@ class TieredCheckpointer:
         return out
 
     def save(self, tier: Any, state: TrainingState) -> SaveResult:
-        result = tier.save(state)
-        if self.coll.rank == 0 and state.step in self.suspect_steps():
+        return tier.save(state)
+
+    def committed(self, step: int) -> None:
+        """A save of ``step`` was published (in the foreground or the background)."""
+        if self.coll.rank == 0 and step in self.suspect_steps():
             # A later attempt committed this step again from good state: it is no longer suspect.
-            self._write_suspects(self.suspect_steps() - {state.step})
-        return result
+            self._write_suspects(self.suspect_steps() - {step})
 
     def restore(self, state: TrainingState) -> RestoreResult | None:
         """Collective. Newest verified step wins (at equal steps the faster tier); steps newer than
