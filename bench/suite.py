@@ -200,7 +200,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ax.bar(xs, values, color=colors)
     ax.scatter(xs, goals, marker="_", s=600, color="black", label="target")
     ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_ylabel("ratio (same run, same machine)")
+    ax.set_yscale("log")  # ratios span 1/50 to 30x
+    ax.set_ylabel("ratio (same run, same machine), log scale")
     ax.set_title(f"Checkpoint benchmarks {results['date']} (green: target met)")
     ax.legend()
     fig.tight_layout()
