@@ -127,7 +127,8 @@ def diagnose(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
             reports.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, json.JSONDecodeError):
             continue
-    injected = _injected_faults(run_dir, attempt_id)
+    # Injected kills and hangs leave no report of their own; an injected exception does.
+    injected = [e for e in _injected_faults(run_dir, attempt_id) if e.get("signal") != "exception"]
     if injected:
         first = injected[0]
         sig = first.get("signal")

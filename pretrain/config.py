@@ -214,7 +214,10 @@ class InprocessConfig:
     hard_timeout: float = 90.0  # still stuck: the rank is terminated (the outer launcher restarts it)
     heartbeat_timeout: float = 30.0
     barrier_timeout: float = 120.0
-    collective_timeout: float = 10.0  # process-group timeout of each incarnation (bounds a gloo wait)
+    # Timeout of every process group of an incarnation, Megatron's included. gloo cannot abort a
+    # collective in flight, so a peer blocked on a failed rank waits this long before it restarts;
+    # keep it above the longest legitimate wait (rank skew around saves).
+    collective_timeout: float = 5.0
 
 
 @dataclass
@@ -538,23 +541,15 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
             "give a positive number of attempts",
         )
     ipc = ft.inprocess
-    if ipc.enabled and not cuda:
-        # Megatron's data-parallel groups carry their own 30-minute gloo timeout and gloo cannot
-        # abort a collective in flight, so a peer of the failed rank stays blocked (measured: 84 s
-        # to the restart, or killed by the hard timeout). Refused until that is solved.
-        fail(
-            "fault_tolerance.inprocess.enabled",
-            "in-process restart is not supported on CPU/gloo yet (a blocked gloo collective cannot be aborted)",
-            "leave it off on CPU; ft_launcher restarts the processes instead",
-        )
     if ipc.enabled and not (
         0 < ipc.monitor_interval < ipc.soft_timeout < ipc.hard_timeout < ipc.barrier_timeout
         and ipc.heartbeat_timeout < ipc.barrier_timeout
+        and 0 < ipc.collective_timeout < ipc.hard_timeout
     ):
         fail(
             "fault_tolerance.inprocess",
-            "timeouts must satisfy monitor_interval < soft_timeout < hard_timeout < barrier_timeout "
-            "and heartbeat_timeout < barrier_timeout",
+            "timeouts must satisfy monitor_interval < soft_timeout < hard_timeout < barrier_timeout, "
+            "heartbeat_timeout < barrier_timeout and 0 < collective_timeout < hard_timeout",
             "order the timeouts",
         )
     if ft.emergency_save_timeout <= 0:

@@ -136,7 +136,13 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
     monitor.start("setup")  # ends once the restore is done
     p = cfg.parallel
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+        ipc = cfg.fault_tolerance.inprocess
+        # In-process restarts: a peer blocked on a failed rank must reach the restart quickly, and
+        # gloo cannot abort a collective, so Megatron's groups get the incarnation's short timeout.
+        timeout_min = ipc.collective_timeout / 60.0 if ipc.enabled else 30
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp, distributed_timeout_minutes=timeout_min
+        )
     coll = TorchCollective()
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     dp = data_parallel_size(cfg, world)

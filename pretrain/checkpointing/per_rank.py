@@ -162,7 +162,11 @@ class PerRankCheckpoints:
             inj = self.cfg.fault_tolerance.inject
             chosen = inj.writer_fault_at_step == state.step and inj.writer_fault_rank == self.rank
             fault = inj.writer_fault if chosen else None
-            entry["write"] = BackgroundWrite(self._async_mode(), self._payload(state), entry["tmp"] / STATE_FILE, fault)
+            payload = self._payload(state)
+            ipc = self.cfg.fault_tolerance.inprocess
+            if ipc.enabled and ipc.keep_host_copy:  # becomes the host copy once the step commits
+                entry["host_copy"] = copy.deepcopy(payload)
+            entry["write"] = BackgroundWrite(self._async_mode(), payload, entry["tmp"] / STATE_FILE, fault)
         except (PublishError, OSError) as exc:
             entry["error"] = str(exc)
         except Exception as exc:
@@ -199,7 +203,10 @@ class PerRankCheckpoints:
             raise AssertionError("a blocking poll cannot see a running writer")  # pragma: no cover
         self._inflight = None
         error = None if status == "ok" else status
-        return self._publish(entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], entry["blocked"])
+        result = self._publish(entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], entry["blocked"])
+        if entry.get("host_copy") is not None:
+            _HOST_COPIES[(self.run_id, self.rank)] = (entry["step"], entry["host_copy"])
+        return result
 
     def abandon_async(self) -> None:
         """Leaving without publishing (an exception unwinds the loop): stop a fork writer."""
