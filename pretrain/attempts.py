@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.failures import Classification, FailureInfo
+from tiering.fsio import atomic_write_bytes
 
 ATTEMPT_GLOB = "attempt-*.json"
 _TAIL_BYTES = 1 << 20
@@ -30,14 +31,10 @@ def attempts_dir(run_dir: Path) -> Path:
     return run_dir / "attempts"
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Readers see the old record or the new one (a unique temp name per call: the preemption
+    watchdog thread and the training thread may both write the attempt record)."""
+    atomic_write_bytes(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
@@ -56,7 +53,7 @@ def record_failure(run_dir: Path, attempt_id: str, rank: int, info: FailureInfo)
     try:
         d = attempts_dir(run_dir) / "failures"
         d.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(
+        write_json_atomic(
             d / f"{attempt_id}.rank-{rank:05d}.json",
             {
                 "attempt_id": attempt_id,
@@ -235,7 +232,7 @@ class AttemptLog:
         # the last sign of life: its last finished step (or its own end, if it recorded one)
         prev["ended_at"] = max(t for t in (last_time, prev.get("ended_at"), prev.get("started_at")) if t)
         prev["closed_by_next_attempt"] = True
-        _write_json_atomic(attempts_dir(self.run_dir) / f"attempt-{prev['attempt']:02d}.json", prev)
+        write_json_atomic(attempts_dir(self.run_dir) / f"attempt-{prev['attempt']:02d}.json", prev)
 
     def restored(self, tier: str | None, step: int | None, seconds: float | None) -> None:
         if not self.enabled:
@@ -278,4 +275,4 @@ class AttemptLog:
 
     def _flush(self) -> None:
         if self.path is not None:
-            _write_json_atomic(self.path, self.record)
+            write_json_atomic(self.path, self.record)

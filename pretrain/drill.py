@@ -250,9 +250,10 @@ class Drill:
         if not path.exists():  # quarantined or retired since: look in the reshardable tier
             path = self.work / "ckpt-reshardable" / run_id / "steps" / f"step-{step:09d}" / "manifest.json"
         try:
-            return json.loads(path.read_text()).get("extra", {}) | json.loads(path.read_text())
+            manifest = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return {}
+        return {**manifest.get("extra", {}), **manifest}
 
     def _damage_step_200(self) -> list[str]:
         root = self.work / "ckpt-local" / "drill"

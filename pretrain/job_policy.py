@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.attempts import attempts_dir
+from pretrain.attempts import attempts_dir, write_json_atomic
 from pretrain.failures import Classification, FailureInfo
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,7 @@ def refuse_if_stopped(run_dir: Path) -> None:
 def write_stop(run_dir: Path, reason: str, **details: Any) -> None:
     path = stop_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{STOP_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"reason": reason, "time": time.time(), **details}, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, {"reason": reason, "time": time.time(), **details})
 
 
 def signature(failure: dict[str, Any] | None) -> str | None:

@@ -33,6 +33,7 @@ from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.errors import PublishError
 from tiering.fsio import dir_size
+from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
 from tiering.publish import PosixStepPublisher
@@ -105,11 +106,15 @@ class PerRankCheckpoints:
                 {i.rank: i.domain for i in self.identities},
             )
 
+    def stores(self) -> list[Any]:
+        """The tier 1-2 stores on this rank: its own steps and the replicas it holds for peers."""
+        return [self.store] + [
+            replica_store(self.node_root, o, self.run_id, self.keep) for o in self.replicator.owners_held
+        ]
+
     def prepare(self) -> None:
         """Drop this rank's temporary directories left by earlier attempts."""
-        for store in [self.store] + [
-            replica_store(self.node_root, o, self.run_id, self.keep) for o in self.replicator.owners_held
-        ]:
+        for store in self.stores():
             for path in store.clean_stale_tmp(self.attempt):
                 log.info("removed unfinished local save of an earlier attempt: %s", path)
 
@@ -310,7 +315,7 @@ class PerRankCheckpoints:
         """Step of this rank's host-memory copy, if it is still the committed step on disk (a
         stat, not a read: quarantined or superseded steps lose their copy's validity)."""
         entry = _HOST_COPIES.get((self.run_id, self.rank))
-        if entry is None or not (self.store.step_path(entry[0]) / "COMMITTED").is_file():
+        if entry is None or not (self.store.step_path(entry[0]) / COMMITTED_NAME).is_file():
             return None
         return entry[0]
 

@@ -17,7 +17,7 @@ from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingStat
 from pretrain.config import Config
 from pretrain.runlog import run_dir
 from tiering.collective import Collective
-from tiering.replication import replica_store
+from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,7 @@ class TieredCheckpointer:
         tier) and record it as suspect, so that no tier, S3 included, restores it again."""
         moved: list[str] = []
         if self.local is not None:
-            stores = [self.local.store] + [
-                replica_store(self.local.node_root, owner, self.cfg.run.id, self.local.keep)
-                for owner in self.local.replicator.owners_held
-            ]
+            stores = self.local.stores()
             moved += [str(p) for p in (store.quarantine(step, reason) for store in stores) if p]
         if self.coll.rank == 0:
             if self.reshardable is not None:
@@ -101,9 +98,7 @@ class TieredCheckpointer:
 
     def _write_suspects(self, steps: set[int]) -> None:
         self._suspect_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._suspect_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(steps)))
-        tmp.replace(self._suspect_path)
+        atomic_write_bytes(self._suspect_path, json.dumps(sorted(steps)).encode())
 
     def prepare(self) -> None:
         for tier in (self.local, self.reshardable):
@@ -156,10 +151,7 @@ class TieredCheckpointer:
         reason = f"superseded: attempt {self.attempt} resumed from step {step}"
         stores = []
         if self.local is not None:
-            stores = [self.local.store] + [
-                replica_store(self.local.node_root, owner, self.cfg.run.id, self.local.keep)
-                for owner in self.local.replicator.owners_held
-            ]
+            stores = self.local.stores()
         if self.reshardable is not None and self.coll.rank == 0:
             stores.append(self.reshardable.tier)
         for store in stores:
