@@ -208,16 +208,16 @@ class InprocessConfig:
     enabled: bool = False
     store_port: int | None = None  # the Wrapper's TCP store (and +1 for process groups); default MASTER_PORT+2
     keep_host_copy: bool = True  # keep the newest tier-1 step in host memory for a disk-free restore
-    monitor_interval: float = 0.25
-    last_call_wait: float = 0.25
+    monitor_interval: float = 0.1
+    last_call_wait: float = 0.1
     soft_timeout: float = 60.0  # no progress for this long: abort and restart in-process
     hard_timeout: float = 90.0  # still stuck: the rank is terminated (the outer launcher restarts it)
     heartbeat_timeout: float = 30.0
     barrier_timeout: float = 120.0
-    # Timeout of every process group of an incarnation, Megatron's included. gloo cannot abort a
-    # collective in flight, so a peer blocked on a failed rank waits this long before it restarts;
-    # keep it above the longest legitimate wait (rank skew around saves).
-    collective_timeout: float = 5.0
+    # Timeout of every process group of an incarnation, Megatron's included: a backstop only, a
+    # fault aborts collectives in flight at once (NCCL abort; gloo: the incarnation's connections
+    # are shut down). Keep it above the longest legitimate wait (rank skew around saves).
+    collective_timeout: float = 60.0
 
 
 @dataclass

@@ -137,8 +137,8 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
     p = cfg.parallel
     if not parallel_state.model_parallel_is_initialized():
         ipc = cfg.fault_tolerance.inprocess
-        # In-process restarts: a peer blocked on a failed rank must reach the restart quickly, and
-        # gloo cannot abort a collective, so Megatron's groups get the incarnation's short timeout.
+        # In-process restarts: Megatron's groups get the incarnation's collective timeout (a
+        # backstop: the restart's abort fails collectives in flight at once).
         timeout_min = ipc.collective_timeout / 60.0 if ipc.enabled else 30
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp, distributed_timeout_minutes=timeout_min

@@ -40,12 +40,13 @@ def test_an_exception_on_one_rank_restarts_both_in_process(tmp_path: Path, corpu
     second = records[1]
     assert second["restored"]["tier"] == "memory" and second["status"] == "succeeded"
     # Time from the fault to the next finished step, reported exactly and bounded generously
-    # (the target on 2 CPU ranks is <= 2 s).
+    # (the target on 2 CPU ranks is <= 2 s; 0.46 s measured). Without the collective abort the
+    # healthy rank would sit in its all-reduce until the 60 s collective timeout.
     m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first_after = next(x for x in m if x["attempt"] == restores[0]["attempt"])
     recovery = first_after["time"] - fault["time"]
     print(f"in-process recovery: fault -> next step {recovery:.2f} s")
-    assert first_after["step"] == 21 and 0 < recovery < 10
+    assert first_after["step"] == 21 and 0 < recovery < 5
     (tmp_path / "inprocess-recovery-seconds.txt").write_text(f"{recovery:.3f}\n")
     b = metrics_by_step(run_dir)
     assert max(b) == 40

@@ -152,6 +152,10 @@ class ReshardableCheckpoints:
 
 _warmup_lock = threading.Lock()
 _warmup_thread: threading.Thread | None = None
+# After an in-process restart: the warm-up of the incarnation that failed (it may still be
+# starting a Manager) and whether the Manager it left must be dropped.
+_abandoned_warmup: threading.Thread | None = None
+_writer_stale = False
 
 
 def start_writer_warmup() -> threading.Thread:
@@ -161,10 +165,14 @@ def start_writer_warmup() -> threading.Thread:
     here); warming it at start-up keeps that off the step. One thread per process: two concurrent
     first calls would race on Megatron's unguarded module global.
     """
-    global _warmup_thread
+    global _warmup_thread, _abandoned_warmup, _writer_stale
     with _warmup_lock:
         if _warmup_thread is None:
-            _warmup_thread = threading.Thread(target=_warm_up_writer, name="ckpt-writer-warmup", daemon=True)
+            abandoned, stale = _abandoned_warmup, _writer_stale
+            _abandoned_warmup, _writer_stale = None, False
+            _warmup_thread = threading.Thread(
+                target=_warm_up_writer, args=(abandoned, stale), name="ckpt-writer-warmup", daemon=True
+            )
             _warmup_thread.start()
         return _warmup_thread
 
@@ -173,24 +181,28 @@ def wait_for_writer_warmup() -> None:
     """Let a running warm-up finish. Call before the process exits: a Manager still starting at
     exit has no finalizer yet, and multiprocessing's exit handler would wait for it forever."""
     with _warmup_lock:
-        thread = _warmup_thread
-    if thread is not None:
+        threads = [t for t in (_warmup_thread, _abandoned_warmup) if t is not None]
+    for thread in threads:
         thread.join()
 
 
-def _warm_up_writer() -> None:
+def _warm_up_writer(abandoned: threading.Thread | None, stale: bool) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if abandoned is not None:
+        abandoned.join()  # it would overwrite the global below
+    if stale:
+        filesystem_async._results_queue = None
     filesystem_async._get_write_results_queue()
 
 
 def reset_writer() -> None:
     """After an in-process restart: forget Megatron's writer Manager (its process does not survive
-    the restart; the next save would get a broken pipe) and warm a new one on the next start."""
-    global _warmup_thread
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    wait_for_writer_warmup()
+    the restart; the next save would get a broken pipe); the next incarnation's warm-up drops it
+    and starts a new one. Nothing here waits: a warm-up still running is left to finish in the
+    background instead of delaying the restart."""
+    global _warmup_thread, _abandoned_warmup, _writer_stale
     with _warmup_lock:
-        _warmup_thread = None
-    filesystem_async._results_queue = None
+        if _warmup_thread is not None:
+            _abandoned_warmup, _warmup_thread = _warmup_thread, None
+        _writer_stale = True
