@@ -146,13 +146,14 @@ class S3TierConfig:
 
 @dataclass
 class AsyncSaveConfig:
-    """Tier-1 saves in the background (YAML key ``checkpoint.async``): training pays for a snapshot."""
+    """Background saves (YAML key ``checkpoint.async``) of tier 1 and of the reshardable staging
+    tier that feeds S3: training pays for a snapshot, the step commits once it is durable."""
 
     enabled: bool = True
     # fork: copy-on-write snapshot by os.fork (CPU); thread: explicit host copy + writer thread
     # (any device); auto: fork on CPU, thread on GPU (forking a CUDA process is unsafe).
     mode: Literal["auto", "fork", "thread"] = "auto"
-    max_in_flight: int = 1
+    max_in_flight: int = 1  # per tier
     # A save due while one is in flight: wait for it, or skip this one (logged and counted).
     when_busy: Literal["wait", "skip"] = "wait"
 

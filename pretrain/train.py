@@ -307,7 +307,10 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
         raise
     except BaseException as exc:
         for abort in ctx.on_abort:
-            abort()  # e.g. stop a background writer: its step will not be committed
+            try:
+                abort()  # e.g. stop a background writer: its step will not be committed
+            except Exception as abort_exc:  # the failure itself must still be recorded
+                log.warning("rank %d: cleanup after the failure failed: %s", rank, abort_exc)
         info = classify(exc)
         record_failure(rdir, attempt, rank, info)
         if isinstance(exc, PreemptedError):
@@ -337,8 +340,8 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     session = build_session(cfg, rank, world, ctx.id)
     monitor = session.monitor
     monitor.leaving = lambda: watch.requested
-    if session.ckpt.local is not None:
-        ctx.on_abort.append(session.ckpt.local.abandon_async)
+    for tier in session.ckpt.background_tiers():
+        ctx.on_abort.append(tier.abandon_async)
     restored = restore_latest(session)
     attempts.restored(
         restored.tier if restored else None,
@@ -411,8 +414,8 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
             monitor.start("checkpointing")
             maybe_slow_save(cfg, step)
         for tier in due:
-            if tier is session.ckpt.local and cfg.checkpoint.async_.enabled:
-                _start_background_save(session, ctx)
+            if cfg.checkpoint.async_.enabled:
+                _start_background_save(session, ctx, tier)
                 continue
             try:
                 _report_saved(session, ctx, session.ckpt.save(tier, state))
@@ -420,8 +423,9 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
             except PublishError as exc:
                 _report_failed(session, ctx, tier.name, step, exc)
             monitor.beat()
-        done = _poll_background(session, ctx, block=leave)
-        saved_local = saved_local or (done is not None and done.step == step)
+        # Leaving on a signal: tier 1 must be durable now; promotion staging is not waited for.
+        done = _poll_background(session, ctx, block=leave, tiers=[session.ckpt.local] if leave else None)
+        saved_local = saved_local or any(d.tier == "local" and d.step == step for d in done)
         monitor.end("checkpointing")
         if leave:
             _leave_on_preemption(session, attempts, watch, saved_local)
@@ -480,39 +484,41 @@ def _report_failed(session: Session, ctx: AttemptContext, tier: str, step: int, 
         raise exc
 
 
-def _start_background_save(session: Session, ctx: AttemptContext) -> None:
-    local = session.ckpt.local
+def _start_background_save(session: Session, ctx: AttemptContext, tier: Any) -> None:
     step = session.state.step
     final = step == session.cfg.train.steps  # the last step is never skipped
-    if local.in_flight is not None:
+    if tier.in_flight is not None:
         if session.cfg.checkpoint.async_.when_busy == "skip" and not final:
-            log.warning("tier-1 save of step %d skipped: step %d is still being written", step, local.in_flight)
-            session.runlog.event("save_skipped", tier="local", step=step, in_flight=local.in_flight)
-            ctx.metrics.save_skipped("local")
+            log.warning("%s save of step %d skipped: step %d is still being written", tier.name, step, tier.in_flight)
+            session.runlog.event("save_skipped", tier=tier.name, step=step, in_flight=tier.in_flight)
+            ctx.metrics.save_skipped(tier.name)
             return
-        _poll_background(session, ctx, block=True)
-    local.start_async(session.state)
-    ctx.metrics.queue_depth = ctx.metrics.uncommitted = 1
+        _poll_background(session, ctx, block=True, tiers=[tier])
+    tier.start_async(session.state)
+    ctx.metrics.queue_depth = ctx.metrics.uncommitted = session.ckpt.in_flight_count()
 
 
-def _poll_background(session: Session, ctx: AttemptContext, block: bool) -> Any:
-    """Collective while a tier-1 save is in flight: publish it when every writer is done."""
+def _poll_background(session: Session, ctx: AttemptContext, block: bool, tiers: list[Any] | None = None) -> list[Any]:
+    """Collective while a save is in flight: publish each tier's save when every writer is done.
+    Returns the saves published now (a failed one is reported and training goes on)."""
     from tiering.errors import PublishError
 
-    local = session.ckpt.local
-    if local is None or local.in_flight is None:
-        return None
-    step = local.in_flight
-    try:
-        saved = local.poll_async(block)
-    except PublishError as exc:
-        ctx.metrics.queue_depth = ctx.metrics.uncommitted = 0
-        _report_failed(session, ctx, "local", step, exc)
-        return None
-    if saved is not None:
-        ctx.metrics.queue_depth = ctx.metrics.uncommitted = 0
-        _report_saved(session, ctx, saved)
-    return saved
+    published = []
+    for tier in tiers if tiers is not None else session.ckpt.background_tiers():
+        if tier is None or tier.in_flight is None:
+            continue
+        step = tier.in_flight
+        try:
+            saved = tier.poll_async(block)
+        except PublishError as exc:
+            ctx.metrics.queue_depth = ctx.metrics.uncommitted = session.ckpt.in_flight_count()
+            _report_failed(session, ctx, tier.name, step, exc)
+            continue
+        if saved is not None:
+            ctx.metrics.queue_depth = ctx.metrics.uncommitted = session.ckpt.in_flight_count()
+            _report_saved(session, ctx, saved)
+            published.append(saved)
+    return published
 
 
 def _non_finite(session: Session, restored: Any, step: int, loss: float, grad_norm: float) -> None:

@@ -49,7 +49,7 @@ def _steps(root: Path, rank: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fork", "thread"])
 def test_background_and_synchronous_saves_hold_identical_state(tmp_path: Path, corpus: Path, mode: str) -> None:
-    common = {"train.steps": 20, "checkpoint.reshardable.interval": 100}
+    common = {"train.steps": 20, "checkpoint.reshardable.interval": 10}
     runs = {}
     for name, extra in (("sync", {"checkpoint.async.enabled": "false"}), (mode, {"checkpoint.async.mode": mode})):
         job = tmp_path / name
@@ -70,8 +70,23 @@ def test_background_and_synchronous_saves_hold_identical_state(tmp_path: Path, c
                 same = torch.equal(tensor, other) if isinstance(tensor, torch.Tensor) else tensor == other
                 assert same, (rank, step, key)
             assert a["trainer"]["step"] == b["trainer"]["step"] == step
-    saves = [e for e in events(runs[mode] / "runs" / "t") if e["event"] == "save" and e["tier"] == "local"]
-    assert [e["step"] for e in saves] == [10, 20] and all(e["blocked_seconds"] < e["seconds"] for e in saves)
+    # The reshardable (promotion staging) tier saves in the background too (Megatron's forked
+    # writer): its shards and per-rank files are byte-identical to the synchronous run's.
+    for step in (10, 20):
+        digests = {}
+        for n in ("sync", mode):
+            manifest = json.loads(
+                (runs[n] / "reshard" / "t" / "steps" / f"step-{step:09d}" / "manifest.json").read_text()
+            )
+            # trainer.pt holds the config (async on/off); DCP's .metadata a random save id.
+            skip = {"trainer.pt", "model/.metadata"}
+            digests[n] = {f["path"]: f["sha256"] for f in manifest["files"] if f["path"] not in skip}
+        assert any(p.endswith(".distcp") for p in digests["sync"]), digests["sync"]
+        assert digests["sync"] == digests[mode], step
+    ev = events(runs[mode] / "runs" / "t")
+    for tier in ("local", "reshardable"):
+        saves = [e for e in ev if e["event"] == "save" and e["tier"] == tier]
+        assert [e["step"] for e in saves] == [10, 20] and all(e["blocked_seconds"] < e["seconds"] for e in saves)
 
 
 @pytest.mark.slow
@@ -81,7 +96,7 @@ def test_a_killed_writer_never_commits_and_the_next_save_works(tmp_path: Path, c
         corpus,
         **{
             "train.steps": 60,
-            "checkpoint.reshardable.interval": 1000,
+            "checkpoint.reshardable.interval": 20,
             "fault_tolerance.inject.writer_fault_at_step": 20,
             "fault_tolerance.inject.writer_fault": "hang",
         },
@@ -91,26 +106,32 @@ def test_a_killed_writer_never_commits_and_the_next_save_works(tmp_path: Path, c
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env(tmp_path), cwd=tmp_path)
     run_dir = tmp_path / "runs" / "t"
     deadline = time.monotonic() + 120
-    pid = None
-    while pid is None:
+    pids: dict[str, int] = {}
+    while len(pids) < 2:  # tier 1's writer (made to hang) and the staging tier's (Megatron's)
         assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
         if (run_dir / "events.jsonl").exists():
             started = [e for e in events(run_dir) if e["event"] == "save_started" and e["step"] == 20]
-            pid = started[0]["writer_pid"] if started else None
-        time.sleep(0.1)
+            pids = {e["tier"]: e["writer_pid"] for e in started}
+        time.sleep(0.05)
+    os.kill(pids["reshardable"], signal.SIGKILL)  # mid-write: Megatron's writer takes ~1.5 s here
     time.sleep(0.5)
-    os.kill(pid, signal.SIGKILL)  # the background writer process, mid-save
+    os.kill(pids["local"], signal.SIGKILL)
     assert proc.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]
     ev = events(run_dir)
     failed = [e for e in ev if e["event"] == "save_failed"]
-    assert [(e["tier"], e["step"]) for e in failed] == [("local", 20)]
-    assert "killed by signal 9" in failed[0]["error"]
+    assert sorted((e["tier"], e["step"]) for e in failed) == [("local", 20), ("reshardable", 20)]
+    assert all(e["step"] == 20 for e in failed)
+    assert all("killed by signal 9" in e["error"] for e in failed), failed
     saved = [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local"]
     assert saved == [10, 30, 40, 50, 60], "the save after the killed one commits, and every later one"
     for rank in (0, 1):
         steps = _steps(tmp_path / "ckpt" / "t", rank)
         assert 20 not in steps and steps == [40, 50, 60], steps
         assert not list((tmp_path / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "steps").glob("*.tmp*"))
+    resaved = [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "reshardable"]
+    assert resaved == [40, 60], "the staging tier commits again after its killed writer"
+    staged = sorted(p.name for p in (tmp_path / "reshard" / "t" / "steps").iterdir())
+    assert staged == ["step-000000040", "step-000000060"], staged
     assert max(metrics_by_step(run_dir)) == 60
 
 

@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
@@ -49,7 +50,9 @@ FORMAT = "megatron-dist+rank-state/v1"
 class ReshardableCheckpoints:
     name = "reshardable"
 
-    def __init__(self, cfg: Config, coll: Collective, attempt: str, directory: str | None = None) -> None:
+    def __init__(
+        self, cfg: Config, coll: Collective, attempt: str, directory: str | None = None, record_event: Any = None
+    ) -> None:
         self.cfg = cfg
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
@@ -58,6 +61,9 @@ class ReshardableCheckpoints:
         self.attempt = attempt
         self._last_step_bytes = 0
         self._warmup = start_writer_warmup()
+        self._record_event = record_event
+        self._queue = _new_queue()
+        self._inflight: dict[str, Any] | None = None
 
     def prepare(self) -> None:
         """At start-up (old world gone): drop temporary directories left by earlier attempts."""
@@ -74,39 +80,137 @@ class ReshardableCheckpoints:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, state: TrainingState) -> SaveResult:
-        """Collective. Raises PublishError (on every rank) if the step could not be published."""
+        """Collective, synchronous. Raises PublishError (on every rank) if the step could not be published."""
         t0 = time.perf_counter()
         self._warmup.join()
         tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)
         error = None
         try:
-            self._write(tmp, state)
+            self._write(tmp, state, background=False)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            free = shutil.disk_usage(tmp.parent).free
-            error = f"{one_line(exc)}; {free / 1e6:.1f} MB free on {tmp.parent}"
-            log.error("rank %d: writing step %d failed: %s", self.coll.rank, state.step, error)
+            error = self._write_error(tmp, state.step, exc)
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
+        return self._commit(state.step, tmp, manifest, error, t0, blocked=None)
+
+    # -- background saves (Megatron's async dist-checkpoint save) -----------------------------------
+    @property
+    def in_flight(self) -> int | None:
+        """The step being written in the background, if any."""
+        return self._inflight["step"] if self._inflight is not None else None
+
+    def start_async(self, state: TrainingState) -> float:
+        """Collective: plan the save, write the small per-rank files, and hand the shards to a
+        forked writer (copy-on-write snapshot); returns the seconds training was blocked.
+        :meth:`poll_async` publishes the step once every rank's writer is done."""
+        assert self._inflight is None, "one reshardable save in flight at most"
+        t0 = time.perf_counter()
+        self._warmup.join()
+        tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)
+        error = None
+        scheduled = False
+        try:
+            request = self._write(tmp, state, background=True)
+            self._queue.schedule_async_request(request)
+            scheduled = True
+        except (Exception, CheckpointException) as exc:
+            error = self._write_error(tmp, state.step, exc)
+        errors = [e for e in self.coll.all_gather(error) if e]
+        if errors and scheduled:
+            # Another rank could not start: its writer will never finalize with ours.
+            self._queue.close(abort=True)
+            self._queue = _new_queue()
+        blocked = time.perf_counter() - t0
+        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
+        self._inflight = {"step": state.step, "tmp": tmp, "manifest": manifest, "t0": t0, "blocked": blocked}
+        self._inflight["error"] = error or (f"another rank failed to start its writer: {errors[0]}" if errors else None)
+        if self._record_event is not None:
+            writer = self._writer_process() if scheduled else None
+            pid = writer.pid if writer is not None else None
+            self._record_event("save_started", tier=self.name, step=state.step, writer_pid=pid, blocked=blocked)
+        return blocked
+
+    def poll_async(self, block: bool = False) -> SaveResult | None:
+        """Collective while a save is in flight (every rank, every step): None while any rank's
+        writer runs (unless ``block``); the SaveResult once published; PublishError on every rank
+        if a writer failed or died (nothing is committed, older steps are intact)."""
+        entry = self._inflight
+        if entry is None:
+            return None
+        error = entry["error"]
+        if error is None:
+            writer = self._writer_process()
+            try:
+                if not self._queue.maybe_finalize_async_calls(blocking=block):
+                    return None
+            except (Exception, CheckpointException) as exc:  # raised on every rank by Megatron
+                code = writer.exitcode if writer is not None else None
+                if code is not None and code < 0:  # Megatron only sees the missing results
+                    error = f"background writer (pid {writer.pid}) was killed by signal {-code}"
+                else:
+                    error = f"background writer failed: {one_line(exc)}"
+                self._queue = _new_queue()
+        self._inflight = None
+        return self._commit(entry["step"], entry["tmp"], entry["manifest"], error, entry["t0"], entry["blocked"])
+
+    def _writer_process(self) -> Any:
+        """The forked process writing the oldest save in flight (None once joined)."""
+        calls = self._queue.async_calls
+        return getattr(calls[0].async_caller, "process", None) if calls else None
+
+    def abandon_async(self) -> None:
+        """Leaving without publishing (an exception unwinds the loop): stop the forked writer."""
+        if self._inflight is not None:
+            # Not Megatron's close(abort=True): it asks torch.distributed for the rank, and an
+            # in-process restart may already have destroyed the process group.
+            for call in self._queue.async_calls:
+                process = getattr(call.async_caller, "process", None)
+                if process is not None:
+                    process.kill()
+                    process.join()
+            self._queue = _new_queue()
+        self._inflight = None
+
+    def _write_error(self, tmp: Path, step: int, exc: BaseException) -> str:
+        free = shutil.disk_usage(tmp.parent).free
+        error = f"{one_line(exc)}; {free / 1e6:.1f} MB free on {tmp.parent}"
+        log.error("rank %d: writing step %d failed: %s", self.coll.rank, step, error)
+        return error
+
+    def _commit(
+        self, step: int, tmp: Path, manifest: Any, error: str | None, t0: float, blocked: float | None
+    ) -> SaveResult:
+        """Collective tail of every save: publish (or abort everywhere), then retention."""
         self.publisher.commit(tmp, manifest, local_error=error)
         self._last_step_bytes = manifest.total_bytes
         if self.coll.rank == 0:
-            for step in self.tier.apply_retention():
-                log.info("retention: deleted reshardable step %d (keep=%d)", step, self.cfg.checkpoint.reshardable.keep)
+            for old in self.tier.apply_retention():
+                log.info("retention: deleted reshardable step %d (keep=%d)", old, self.cfg.checkpoint.reshardable.keep)
         self.coll.barrier()
         return SaveResult(
-            self.name, state.step, time.perf_counter() - t0, manifest.total_bytes, self.tier.step_path(state.step)
+            self.name,
+            step,
+            time.perf_counter() - t0,
+            manifest.total_bytes,
+            self.tier.step_path(step),
+            blocked_seconds=blocked,
         )
 
-    def _write(self, tmp: Path, state: TrainingState) -> None:
+    def _write(self, tmp: Path, state: TrainingState, background: bool) -> Any:
+        """Write this rank's part of ``tmp``; in the background, the shards are left to the
+        returned Megatron async request (the small per-rank files are written now)."""
         (tmp / "model").mkdir(exist_ok=True)
         (tmp / "rank-state").mkdir(exist_ok=True)
         model_sd = state.model.sharded_state_dict()
         optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
-        dist_checkpointing.save({"model": model_sd, "optimizer": optim_sd}, str(tmp / "model"))
+        request = dist_checkpointing.save(
+            {"model": model_sd, "optimizer": optim_sd}, str(tmp / "model"), async_sharded_save=background
+        )
         cursor = state.sampler.cursor(state.consumed_samples)
         rank_file = tmp / "rank-state" / f"rank-{self.coll.rank:05d}.pt"
         torch.save(rank_state(self.coll.rank, state.topology, cursor), rank_file)
         if self.coll.rank == 0:
             torch.save(trainer_state(state), tmp / "trainer.pt")
+        return request
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(
@@ -148,6 +252,14 @@ class ReshardableCheckpoints:
             )
         reseed_after_reshard(self.cfg, state.step, self.coll.rank)
         return False
+
+
+def _new_queue() -> Any:
+    """Megatron's queue of background dist-checkpoint writes: each one a forked process (its
+    copy-on-write memory is the snapshot); the persistent worker shares memory (torn on CPU)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=False)
 
 
 _warmup_lock = threading.Lock()

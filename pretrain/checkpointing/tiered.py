@@ -41,7 +41,7 @@ class TieredCheckpointer:
             )
             self.local = PerRankCheckpoints(cfg, coll, attempt, topology, group, record_event)
         if cfg.checkpoint.reshardable.enabled:
-            self.reshardable = ReshardableCheckpoints(cfg, coll, attempt)
+            self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event)
 
     def _open_remote(self) -> Any:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
@@ -127,6 +127,13 @@ class TieredCheckpointer:
         if self.reshardable is not None:
             out["reshardable"] = self.cfg.checkpoint.reshardable.interval
         return out
+
+    def background_tiers(self) -> list[Any]:
+        """The tiers that save in the background (tier 1 and promotion staging)."""
+        return [t for t in (self.local, self.reshardable) if t is not None]
+
+    def in_flight_count(self) -> int:
+        return sum(t.in_flight is not None for t in self.background_tiers())
 
     def save(self, tier: Any, state: TrainingState) -> SaveResult:
         return tier.save(state)
