@@ -382,6 +382,7 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
             micro_batch_size=mbs,
             forward_only=False,
         )
+        session.ckpt.before_optimizer_step()  # a background snapshot still copying must finish
         grad_norm = optimizer.step()
         scheduler.step(increment=1)
         state.step = step
@@ -429,8 +430,11 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
         monitor.end("checkpointing")
         if leave:
             _leave_on_preemption(session, attempts, watch, saved_local)
-    # The final step's tier-1 save must be durable before the attempt counts as finished.
+    # The final step's tier-1 save must be durable (and replicated) before the attempt counts
+    # as finished.
     _poll_background(session, ctx, block=True)
+    if session.ckpt.local is not None:
+        session.ckpt.local.finish_replication(block=True)
     elapsed = time.perf_counter() - t_start
     done = state.step - first_step + 1
     runlog.event("finish", step=state.step, steps=done, seconds=elapsed)
@@ -461,7 +465,10 @@ def _report_saved(session: Session, ctx: AttemptContext, saved: Any) -> None:
     )
     ctx.records.progress(session.state.step, **{f"last_saved_{saved.tier}": saved.step})
     if session.rank == 0:
-        extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
+        extra = ""
+        if saved.tier == "local":
+            seconds = saved.replication_seconds
+            extra = " + replication in the background" if seconds is None else f" + replication {seconds:.2f}s"
         blocked = f" (training blocked {saved.blocked_seconds:.3f}s)" if saved.blocked_seconds is not None else ""
         log.info(
             "saved step %d to tier %s: %.1f MB in %.2fs%s%s",
@@ -504,6 +511,8 @@ def _poll_background(session: Session, ctx: AttemptContext, block: bool, tiers: 
     from tiering.errors import PublishError
 
     published = []
+    if session.ckpt.local is not None:
+        session.ckpt.local.finish_replication(block=False)  # harvest a finished one (its event)
     for tier in tiers if tiers is not None else session.ckpt.background_tiers():
         if tier is None or tier.in_flight is None:
             continue

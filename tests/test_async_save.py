@@ -14,25 +14,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpointing.async_writer import BackgroundWrite
+from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
 from pretrain.launch import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
+from tiering.fsio import sha256_file
 from tiering.local import LocalTier
 
 
 @pytest.mark.parametrize("mode", ["fork", "thread"])
 def test_the_written_snapshot_is_the_state_at_the_save(tmp_path: Path, mode: str) -> None:
-    weights = {"w": torch.randn(512, 512), "m": torch.zeros(512, 512), "step": 7}
+    weights = {"w": torch.randn(1024, 512), "m": torch.zeros(1024, 512), "step": 7}  # 2 MB: copied in the background
     expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
-    write = BackgroundWrite(mode, {"model": weights}, tmp_path / "state.pt")
-    for _ in range(20):  # training goes on and changes the tensors in place
-        weights["w"].add_(1.0)
-        weights["m"].mul_(0.5).add_(3.0)
-    outcome = write.poll(block=True)
-    assert outcome is not None and outcome.ok, outcome
-    saved = torch.load(tmp_path / "state.pt", weights_only=True)["model"]
-    assert torch.equal(saved["w"], expected["w"]) and torch.equal(saved["m"], expected["m"])
-    assert saved["step"] == 7 and not torch.equal(weights["w"], expected["w"])
+    buffers = SnapshotBuffers()
+    for save in range(2):  # the second save reuses the thread writer's buffers
+        path = tmp_path / f"state-{save}.pt"
+        write = BackgroundWrite(mode, {"model": weights}, path, buffers=buffers)
+        write.wait_for_snapshot()  # what the trainer does before the optimizer step
+        for _ in range(20):  # training goes on and changes the tensors in place
+            weights["w"].add_(1.0)
+            weights["m"].mul_(0.5).add_(3.0)
+        outcome = write.poll(block=True)
+        assert outcome is not None and outcome.ok, outcome
+        assert outcome.digest == sha256_file(path), "the digest computed while writing is the file's"
+        saved = torch.load(path, weights_only=True)["model"]
+        assert torch.equal(saved["w"], expected["w"]) and torch.equal(saved["m"], expected["m"])
+        expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+    assert saved["step"] == 7
 
 
 def test_a_failing_writer_reports_its_cause(tmp_path: Path) -> None:

@@ -66,10 +66,18 @@ class PosixStepPublisher:
             raise PublishError(error)
         return tmp
 
-    def commit(self, tmp: Path, manifest: Manifest, local_error: str | None = None) -> Manifest:
+    def commit(
+        self,
+        tmp: Path,
+        manifest: Manifest,
+        local_error: str | None = None,
+        known: dict[str, tuple[int, str]] | None = None,
+    ) -> Manifest:
         """Collective: publish ``tmp`` as its step, or abort everywhere if any rank failed.
 
         Every rank must call this, passing ``local_error`` (one line) if writing its part failed.
+        ``known`` maps files (relative paths) to the ``(bytes, sha256)`` their writer computed
+        while writing them: those are not read back (a size that differs on disk is an error).
         """
         error: str | None = None
         errors = [(rank, err) for rank, err in enumerate(self.coll.all_gather(local_error)) if err]
@@ -80,9 +88,11 @@ class PosixStepPublisher:
             try:
                 names = self.coll.broadcast(_list_files(tmp) if self.coll.rank == 0 else None)
                 world, rank = self.coll.world_size, self.coll.rank
-                entries = [_hash_entry(tmp, rel) for i, rel in enumerate(names) if i % world == rank]
+                entries = [_hash_entry(tmp, rel, known) for i, rel in enumerate(names) if i % world == rank]
             except OSError as exc:
                 error = f"{exc.filename or tmp}: {exc.strerror or exc}"
+            except PublishError as exc:
+                error = str(exc)
             gathered = self.coll.all_gather((error, entries))
             error = next((err for err, _ in gathered if err), None)
             if error is None and self.coll.rank == 0:
@@ -152,7 +162,13 @@ def _list_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _hash_entry(root: Path, rel: str) -> FileEntry:
+def _hash_entry(root: Path, rel: str, known: dict[str, tuple[int, str]] | None = None) -> FileEntry:
+    if known and rel in known:
+        size, digest = known[rel]
+        on_disk = (root / rel).stat().st_size
+        if on_disk != size:
+            raise PublishError(f"{root / rel}: {on_disk} bytes on disk, its writer wrote {size}")
+        return FileEntry(rel, size, digest)
     size, digest = sha256_file(root / rel)
     return FileEntry(rel, size, digest)
 

@@ -1,21 +1,27 @@
 """Background writers for tier-1 saves: training pays for a snapshot, not for the write.
 
+* ``thread`` (any device): the writer thread first copies every large tensor into reusable host
+  buffers (on GPU a device-to-host copy on its own stream into pinned memory), then writes. The
+  copy overlaps the next step's forward and backward, which only read the weights; the trainer
+  calls :meth:`BackgroundWrite.wait_for_snapshot` before the optimizer changes them in place.
+  Small tensors and every non-tensor value are copied on the training thread at the save (cheap).
 * ``fork`` (CPU): ``os.fork()`` is the snapshot. The child sees the parent's memory as it was at
   the fork (copy-on-write), serialises it, fsyncs and exits; the parent goes on training and
-  changes its own pages only. Blocked time is the fork itself (page tables, not data). On CPU
-  ``tensor.to("cpu")`` copies nothing, so a writer that shares memory would see later updates.
-* ``thread`` (any device): an explicit snapshot (a copy into host memory; on GPU the device-to-host
-  copy) is written by a thread. Blocked time is the copy.
+  changes its own pages only. Blocked time is the fork itself (page tables, not data), plus the
+  copy-on-write faults the next optimizer step takes. On CPU ``tensor.to("cpu")`` copies nothing,
+  so a writer that shares memory without a copy would see later updates.
 
-Either way the writer only *writes* ``state.pt`` into the step's temporary directory. Publishing
-(manifest, rename, ``COMMITTED``) happens on the training thread once every rank's writer is done,
-so a step whose writer died or failed is never committed and its temporary directory is removed.
+Either way the writer writes ``state.pt`` into the step's temporary directory and computes its
+SHA-256 while writing (handed back for the manifest: nothing is read back to be hashed).
+Publishing (manifest, rename, ``COMMITTED``) happens on the training thread once every rank's
+writer is done, so a step whose writer died or failed is never committed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import os
 import threading
@@ -27,9 +33,14 @@ from typing import Any
 
 import torch
 
+from tiering.fsio import write_file_durably
+
 log = logging.getLogger(__name__)
 
 ERROR_FILE = ".write-error"
+# Tensors below this size are copied on the training thread at the save (RNG states, step
+# counters, scalers): cheaper than handing them over, and nothing can change them afterwards.
+STAGE_IN_BACKGROUND_BYTES = 1 << 20
 
 
 @dataclass
@@ -37,29 +48,62 @@ class WriteOutcome:
     ok: bool
     error: str | None
     seconds: float
+    digest: tuple[int, str] | None = None  # (bytes, sha256) of the written file
+
+
+class SnapshotBuffers:
+    """Host buffers reused from one save to the next (pinned on GPU hosts), keyed by position."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def copy(self, index: int, tensor: torch.Tensor, stream: Any = None) -> torch.Tensor:
+        buf = self._buffers.get(index)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            pin = tensor.is_cuda
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            self._buffers[index] = buf
+        buf.copy_(tensor.detach(), non_blocking=stream is not None)
+        return buf
 
 
 class BackgroundWrite:
-    """One save in flight: the payload is already snapshotted when the constructor returns."""
+    """One save in flight; see the module docstring for what each mode snapshots when."""
 
-    def __init__(self, mode: str, payload: dict[str, Any], path: Path, fault: str | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        payload: dict[str, Any],
+        path: Path,
+        fault: str | None = None,
+        buffers: SnapshotBuffers | None = None,
+    ) -> None:
         self.mode = mode
         self.path = path
         self.started = time.perf_counter()
         self.blocked_seconds = 0.0
         self._pid: int | None = None
+        self._digest_fd: int | None = None
         self._thread: threading.Thread | None = None
         self._thread_error: str | None = None
+        self._digest: tuple[int, str] | None = None
+        self._snapshot_done = threading.Event()
+        self._snapshot: dict[str, Any] | None = None
         self._outcome: WriteOutcome | None = None
         t0 = time.perf_counter()
         if mode == "fork":
+            read_fd, write_fd = os.pipe()
             self._pid = os.fork()
             if self._pid == 0:  # the child: write, fsync, leave without running any parent cleanup
-                _child_write(payload, path, fault)
+                os.close(read_fd)
+                _child_write(payload, path, fault, write_fd)
+            os.close(write_fd)
+            self._digest_fd = read_fd
+            self._snapshot_done.set()
         else:
-            snapshot = _snapshot(payload)
+            staged = _stage_on_training_thread(payload)
             self._thread = threading.Thread(
-                target=self._write_thread, args=(snapshot,), name="ckpt-writer", daemon=True
+                target=self._write_thread, args=(staged, buffers, fault), name="ckpt-writer", daemon=True
             )
             self._thread.start()
         self.blocked_seconds = time.perf_counter() - t0
@@ -68,9 +112,33 @@ class BackgroundWrite:
     def pid(self) -> int | None:
         return self._pid
 
-    def _write_thread(self, snapshot: dict[str, Any]) -> None:
+    @property
+    def snapshot(self) -> dict[str, Any] | None:
+        """The host copy the thread writer made (None for ``fork``, or before it is complete)."""
+        return self._snapshot if self._snapshot_done.is_set() else None
+
+    def wait_for_snapshot(self) -> float:
+        """Block until the state is copied (``thread``); returns the seconds waited. Call it
+        before anything changes the saved tensors in place (the optimizer step)."""
+        if self._snapshot_done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._snapshot_done.wait()
+        waited = time.perf_counter() - t0
+        self.blocked_seconds += waited
+        return waited
+
+    def _write_thread(self, staged: dict[str, Any], buffers: SnapshotBuffers | None, fault: str | None) -> None:
         try:
-            _write_durably(snapshot, self.path)
+            try:
+                self._snapshot = _copy_large_tensors(staged, buffers)
+            finally:
+                self._snapshot_done.set()  # never leave the trainer waiting, even on failure
+            if fault == "slow":
+                time.sleep(0.6)
+            self._digest = write_file_durably(self.path, lambda fh: torch.save(self._snapshot, fh))
+            if fault == "fail":
+                raise OSError("injected writer failure")
         except Exception as exc:  # reported by poll(); the step is not committed
             self._thread_error = f"{type(exc).__name__}: {exc}"
 
@@ -89,13 +157,16 @@ class BackgroundWrite:
                 err_file = self.path.parent / ERROR_FILE
                 detail = err_file.read_text().strip() if err_file.exists() else "no detail"
                 error = f"background writer (pid {self._pid}) exited {os.WEXITSTATUS(status)}: {detail}"
+            else:
+                self._digest = _read_digest(self._digest_fd)
+            self._close_pipe()
         else:
             assert self._thread is not None
             self._thread.join(None if block else 0)
             if self._thread.is_alive():
                 return None
             error = self._thread_error
-        self._outcome = WriteOutcome(error is None, error, time.perf_counter() - self.started)
+        self._outcome = WriteOutcome(error is None, error, time.perf_counter() - self.started, self._digest)
         return self._outcome
 
     def kill(self) -> None:
@@ -105,40 +176,67 @@ class BackgroundWrite:
                 os.kill(self._pid, 9)
             self.poll(block=True)
 
-
-def _snapshot(payload: dict[str, Any]) -> dict[str, Any]:
-    """Host copy of every tensor (device-to-host on GPU; an explicit clone on CPU)."""
-
-    def copy_tensor(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
-
-    return torch.utils._pytree.tree_map(
-        lambda v: copy_tensor(v) if isinstance(v, torch.Tensor) else copy.copy(v), payload
-    )
+    def _close_pipe(self) -> None:
+        if self._digest_fd is not None:
+            os.close(self._digest_fd)
+            self._digest_fd = None
 
 
-def _write_durably(payload: dict[str, Any], path: Path) -> None:
-    with open(path, "wb") as fh:
-        torch.save(payload, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    fd = os.open(path.parent, os.O_RDONLY)
+def _stage_on_training_thread(payload: dict[str, Any]) -> dict[str, Any]:
+    """Copy what is cheap now (non-tensor values, small tensors); large tensors stay references
+    for the writer thread to copy before the next optimizer step."""
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if v.numel() * v.element_size() < STAGE_IN_BACKGROUND_BYTES:
+                return v.detach().to("cpu", copy=True)
+            return v
+        return copy.deepcopy(v)
+
+    return torch.utils._pytree.tree_map(leaf, payload)
+
+
+def _copy_large_tensors(staged: dict[str, Any], buffers: SnapshotBuffers | None) -> dict[str, Any]:
+    leaves, spec = torch.utils._pytree.tree_flatten(staged)
+    stream = torch.cuda.Stream() if any(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves) else None
+    out = []
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for index, v in enumerate(leaves):
+            if isinstance(v, torch.Tensor) and (v.is_cuda or v.numel() * v.element_size() >= STAGE_IN_BACKGROUND_BYTES):
+                if buffers is not None:
+                    v = buffers.copy(index, v, stream)
+                else:
+                    v = v.detach().to("cpu", copy=True, non_blocking=stream is not None)
+            out.append(v)
+    if stream is not None:
+        stream.synchronize()
+    return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+def _read_digest(fd: int | None) -> tuple[int, str] | None:
+    if fd is None:
+        return None
+    raw = b""
+    while chunk := os.read(fd, 4096):
+        raw += chunk
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        size, digest = json.loads(raw)
+        return int(size), str(digest)
+    except (ValueError, TypeError):
+        return None  # the manifest then hashes the file itself
 
 
-def _child_write(payload: dict[str, Any], path: Path, fault: str | None) -> None:
+def _child_write(payload: dict[str, Any], path: Path, fault: str | None, digest_fd: int) -> None:
     code = 0
     try:
         if fault == "hang":  # tests: a writer that never finishes (killed from outside)
             time.sleep(3600)
         if fault == "slow":  # tests: a slow filesystem
             time.sleep(0.6)
-        _write_durably(payload, path)
+        digest = write_file_durably(path, lambda fh: torch.save(payload, fh))
         if fault == "fail":
             raise OSError("injected writer failure")
+        os.write(digest_fd, json.dumps(list(digest)).encode())
     except BaseException as exc:  # noqa: BLE001 - the child must always reach os._exit
         code = 1
         with contextlib.suppress(OSError):

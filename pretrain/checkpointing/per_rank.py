@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpointing.async_writer import SnapshotBuffers
 from pretrain.checkpointing.state import (
     SaveResult,
     TrainingState,
@@ -32,12 +33,18 @@ from pretrain.ft import launcher_restart_count
 from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.errors import PublishError
-from tiering.fsio import dir_size
+from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
 from tiering.publish import PosixStepPublisher
-from tiering.replication import PeerReplicator, primary_store, replica_store
+from tiering.replication import (
+    PeerReplicator,
+    ReplicationInFlight,
+    ReplicationReport,
+    primary_store,
+    replica_store,
+)
 from tiering.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -76,6 +83,8 @@ class PerRankCheckpoints:
         self._record_event = record_event
         self._last_bytes = 0
         self._inflight: dict[str, Any] | None = None
+        self._buffers = SnapshotBuffers()
+        self._replication: ReplicationInFlight | None = None
         rep = cfg.checkpoint.replication
         self.node = node_name(rep.node)
         pairs = coll.all_gather((self.node, failure_domain(self.node, rep.domains)))
@@ -130,10 +139,11 @@ class PerRankCheckpoints:
         error = None
         tmp: Path | None = None
         payload: dict[str, Any] | None = None
+        digest = None
         try:
             tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
             payload = self._payload(state)
-            torch.save(payload, tmp / STATE_FILE)
+            digest = write_file_durably(tmp / STATE_FILE, lambda fh: torch.save(payload, fh))
         except (PublishError, OSError) as exc:
             error = str(exc)
         except Exception as exc:
@@ -141,7 +151,7 @@ class PerRankCheckpoints:
         if error is None and deadline is not None and time.monotonic() > deadline:
             error = "emergency save deadline passed before commit"
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-        result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0)
+        result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0, digest)
         ipc = self.cfg.fault_tolerance.inprocess
         if ipc.enabled and ipc.keep_host_copy and payload is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
@@ -168,15 +178,20 @@ class PerRankCheckpoints:
             chosen = inj.writer_fault_at_step == state.step and inj.writer_fault_rank == self.rank
             fault = inj.writer_fault if chosen else None
             payload = self._payload(state)
+            mode = self._async_mode()
             ipc = self.cfg.fault_tolerance.inprocess
-            if ipc.enabled and ipc.keep_host_copy:  # becomes the host copy once the step commits
+            keep_host_copy = ipc.enabled and ipc.keep_host_copy
+            if keep_host_copy and mode == "fork":  # the thread writer's own copy serves instead
                 entry["host_copy"] = copy.deepcopy(payload)
-            entry["write"] = BackgroundWrite(self._async_mode(), payload, entry["tmp"] / STATE_FILE, fault)
+            # A snapshot kept as the host copy cannot share buffers with the next save.
+            buffers = None if keep_host_copy else self._buffers
+            entry["write"] = BackgroundWrite(mode, payload, entry["tmp"] / STATE_FILE, fault, buffers)
         except (PublishError, OSError) as exc:
             entry["error"] = str(exc)
         except Exception as exc:
             entry["error"] = one_line(exc)
         entry["blocked"] = time.perf_counter() - t0
+        entry["write_blocked"] = entry["write"].blocked_seconds if entry["write"] is not None else 0.0
         self._inflight = entry
         write = entry["write"]
         if self._record_event is not None and write is not None:
@@ -208,25 +223,53 @@ class PerRankCheckpoints:
             raise AssertionError("a blocking poll cannot see a running writer")  # pragma: no cover
         self._inflight = None
         error = None if status == "ok" else status
-        result = self._publish(entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], entry["blocked"])
-        if entry.get("host_copy") is not None:
-            _HOST_COPIES[(self.run_id, self.rank)] = (entry["step"], entry["host_copy"])
+        digest = outcome.digest if outcome is not None else None
+        blocked = entry["blocked"] + (write.blocked_seconds - entry["write_blocked"] if write is not None else 0.0)
+        result = self._publish(
+            entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], blocked, digest, background=True
+        )
+        ipc = self.cfg.fault_tolerance.inprocess
+        host_copy = entry.get("host_copy") or (write.snapshot if write is not None else None)
+        if ipc.enabled and ipc.keep_host_copy and host_copy is not None:
+            _HOST_COPIES[(self.run_id, self.rank)] = (entry["step"], host_copy)
         return result
 
+    def before_optimizer_step(self) -> float:
+        """The optimizer is about to change the weights in place: a thread writer still copying
+        them must finish first. Returns the seconds training waited (counted as blocked)."""
+        entry = self._inflight
+        if entry is None or entry["write"] is None:
+            return 0.0
+        return entry["write"].wait_for_snapshot()
+
     def abandon_async(self) -> None:
-        """Leaving without publishing (an exception unwinds the loop): stop a fork writer."""
+        """Leaving without publishing (an exception unwinds the loop): stop a fork writer; give
+        a replication in flight the transport's timeout to end (a lost peer fails it sooner)."""
         if self._inflight is not None and self._inflight["write"] is not None:
             self._inflight["write"].kill()
         self._inflight = None
+        self.finish_replication(timeout=self.cfg.checkpoint.replication.timeout_s)
+        self._replication = None
 
     def _async_mode(self) -> str:
         mode = self.cfg.checkpoint.async_.mode
         if mode == "auto":
-            return "thread" if torch.cuda.is_available() else "fork"
+            # thread: a GPU process must not fork, and in-process restarts keep the thread
+            # writer's copy as the host copy; fork elsewhere (see checkpoint.async.mode).
+            ipc = self.cfg.fault_tolerance.inprocess
+            return "thread" if torch.cuda.is_available() or (ipc.enabled and ipc.keep_host_copy) else "fork"
         return mode
 
     def _publish(
-        self, step: int, tmp: Path | None, manifest: Any, error: str | None, t0: float, blocked_s: float
+        self,
+        step: int,
+        tmp: Path | None,
+        manifest: Any,
+        error: str | None,
+        t0: float,
+        blocked_s: float,
+        digest: tuple[int, str] | None = None,
+        background: bool = False,
     ) -> SaveResult:
         """Collective tail of every save: agree, commit or abort, replicate, apply retention."""
         published: Path | None = None
@@ -236,7 +279,8 @@ class PerRankCheckpoints:
             try:
                 if manifest is None:
                     raise PublishError(f"{tmp}: no manifest ({error})")
-                self.publisher.commit(tmp, manifest, local_error=error or peer_error)
+                known = {STATE_FILE: digest} if digest is not None else None
+                self.publisher.commit(tmp, manifest, local_error=error or peer_error, known=known)
                 self._last_bytes = manifest.total_bytes
                 published = self.store.step_path(step)
             except (PublishError, OSError) as exc:
@@ -244,32 +288,62 @@ class PerRankCheckpoints:
         if error:
             log.error("rank %d: local save of step %d failed: %s", self.rank, step, error)
         local_s = time.perf_counter() - t0
-        report = self.replicator.replicate(step, published)
-        replication_s = time.perf_counter() - t0 - local_s
+        self.finish_replication()  # one replication in flight at most: it may still read an older step
+        under_replicated: list[int] | None = None
+        replication_s: float | None = None
+        if background:
+            # Off the step: the bytes go to the peers on the replication group's own thread;
+            # finish_replication() reports the outcome (a "replicated" event).
+            self._replication = ReplicationInFlight(self.replicator, step, published)
+        else:
+            report = self.replicator.replicate(step, published)
+            replication_s = time.perf_counter() - t0 - local_s
+            under_replicated = report.under_replicated
+            self._warn_under_replicated(report)
         if published is not None:
             for old in self.store.apply_retention(protected={step}):
                 log.debug("retention: deleted local step %d (keep=%d)", old, self.keep)
         errors = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
         if errors:
             raise PublishError(f"step {step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
-        if report.under_replicated and self.rank == 0:
-            log.warning(
-                "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
-                step,
-                report.under_replicated,
-                self.cfg.checkpoint.replication.factor,
-                next(iter(report.failures.values())),
-            )
         return SaveResult(
             self.name,
             step,
             local_s,
             self._last_bytes,
             published or self.store.step_path(step),
-            report.under_replicated,
+            under_replicated,
             replication_s,
             blocked_seconds=blocked_s,
         )
+
+    def finish_replication(self, block: bool = True, timeout: float | None = None) -> ReplicationReport | None:
+        """Harvest the background replication: its report once it finished (waiting for it, up to
+        ``timeout``, when ``block``), None if none finished. Not collective: each rank harvests
+        its own thread."""
+        job = self._replication
+        if job is None or (not block and not job.done()):
+            return None
+        report = job.result(timeout=timeout if block else 0)
+        if report is None:  # still running after the timeout: leave it to the exit
+            return None
+        self._replication = None
+        self._warn_under_replicated(report)
+        if self._record_event is not None:
+            self._record_event(
+                "replicated", step=report.step, seconds=round(job.seconds, 4), under_replicated=report.under_replicated
+            )
+        return report
+
+    def _warn_under_replicated(self, report: ReplicationReport) -> None:
+        if report.under_replicated and self.rank == 0:
+            log.warning(
+                "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
+                report.step,
+                report.under_replicated,
+                self.cfg.checkpoint.replication.factor,
+                next(iter(report.failures.values())),
+            )
 
     def _payload(self, state: TrainingState) -> dict[str, Any]:
         cursor = state.sampler.cursor(state.consumed_samples)

@@ -132,6 +132,10 @@ class TieredCheckpointer:
         """The tiers that save in the background (tier 1 and promotion staging)."""
         return [t for t in (self.local, self.reshardable) if t is not None]
 
+    def before_optimizer_step(self) -> float:
+        """Seconds waited for a background snapshot of the weights about to change."""
+        return self.local.before_optimizer_step() if self.local is not None else 0.0
+
     def in_flight_count(self) -> int:
         return sum(t.in_flight is not None for t in self.background_tiers())
 
