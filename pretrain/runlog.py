@@ -58,9 +58,13 @@ class RunLog:
         if self.enabled:
             append_jsonl(self.metrics_path, {**record, "attempt": self.attempt, "time": time.time()})
 
-    def event(self, event: str, force: bool = False, **record: Any) -> None:
-        """Rank 0 records events; ``force`` lets another rank record its own (e.g. an injected fault)."""
+    def event(self, event: str, force: bool = False, durable: bool = True, **record: Any) -> None:
+        """Rank 0 records events; ``force`` lets another rank record its own (e.g. an injected fault).
+        ``durable=False`` skips the fsync, for events on the training step's path whose outcome
+        is recorded durably later (a save's start: its "save" or "save_failed" event follows)."""
         if self.enabled or force:
             append_jsonl(
-                self.events_path, {"event": event, **record, "attempt": self.attempt, "time": time.time()}, durable=True
+                self.events_path,
+                {"event": event, **record, "attempt": self.attempt, "time": time.time()},
+                durable=durable,
             )

@@ -433,8 +433,6 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     # The final step's tier-1 save must be durable (and replicated) before the attempt counts
     # as finished.
     _poll_background(session, ctx, block=True)
-    if session.ckpt.local is not None:
-        session.ckpt.local.finish_replication(block=True)
     elapsed = time.perf_counter() - t_start
     done = state.step - first_step + 1
     runlog.event("finish", step=state.step, steps=done, seconds=elapsed)
@@ -465,10 +463,7 @@ def _report_saved(session: Session, ctx: AttemptContext, saved: Any) -> None:
     )
     ctx.records.progress(session.state.step, **{f"last_saved_{saved.tier}": saved.step})
     if session.rank == 0:
-        extra = ""
-        if saved.tier == "local":
-            seconds = saved.replication_seconds
-            extra = " + replication in the background" if seconds is None else f" + replication {seconds:.2f}s"
+        extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
         blocked = f" (training blocked {saved.blocked_seconds:.3f}s)" if saved.blocked_seconds is not None else ""
         log.info(
             "saved step %d to tier %s: %.1f MB in %.2fs%s%s",
@@ -494,7 +489,7 @@ def _report_failed(session: Session, ctx: AttemptContext, tier: str, step: int, 
 def _start_background_save(session: Session, ctx: AttemptContext, tier: Any) -> None:
     step = session.state.step
     final = step == session.cfg.train.steps  # the last step is never skipped
-    if tier.in_flight is not None:
+    if tier.busy():
         if session.cfg.checkpoint.async_.when_busy == "skip" and not final:
             log.warning("%s save of step %d skipped: step %d is still being written", tier.name, step, tier.in_flight)
             session.runlog.event("save_skipped", tier=tier.name, step=step, in_flight=tier.in_flight)
@@ -511,8 +506,6 @@ def _poll_background(session: Session, ctx: AttemptContext, block: bool, tiers: 
     from tiering.errors import PublishError
 
     published = []
-    if session.ckpt.local is not None:
-        session.ckpt.local.finish_replication(block=False)  # harvest a finished one (its event)
     for tier in tiers if tiers is not None else session.ckpt.background_tiers():
         if tier is None or tier.in_flight is None:
             continue

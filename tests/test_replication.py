@@ -189,9 +189,8 @@ def test_peer_dying_during_replication_leaves_step_local_only(tmp_path: Path, co
     assert "under-replicated" in proc.stdout + proc.stderr + (job / "job.log").read_text()
     restore = [e for e in ev if e["event"] == "restore"]
     assert [(r["step"], r["tier"]) for r in restore] == [(20, "local")], "published primaries are complete"
-    # Replication runs off the training step; its outcome is a "replicated" event.
-    replicated = [e for e in ev if e["event"] == "replicated" and e["step"] == 30]
-    assert replicated and replicated[0]["under_replicated"] == [], "the next step replicates normally"
+    saves = [e for e in ev if e["event"] == "save" and e["step"] == 30]
+    assert saves and saves[0]["under_replicated"] == [], "the next step replicates normally"
     ls = subprocess.run(
         [PYTHON, "-m", "tiering", "ls", str(job / "ckpt" / "t"), "--json"], capture_output=True, text=True, timeout=60
     )

@@ -12,8 +12,6 @@ manifest; one that does not match is discarded, never served.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,46 +118,3 @@ class PeerReplicator:
         except (VerificationError, PublishError, OSError, ValueError) as exc:
             log.error("replica of rank %d step %d rejected: %s", owner, step, exc)
             return f"replica rejected: {exc}"
-
-
-class ReplicationInFlight:
-    """One step's replication running on its own thread (its own gloo group), off the step.
-
-    The trainer starts it right after the primary copy is committed and harvests the report
-    later; the next save waits for it first, so at most one replication is in flight and
-    retention never deletes a step that is still being sent.
-    """
-
-    def __init__(self, replicator: PeerReplicator, step: int, published: Path | None) -> None:
-        self.step = step
-        self.owner = replicator.rank
-        self.started = time.perf_counter()
-        self.seconds = 0.0
-        self._report: ReplicationReport | None = None
-        self._error: str | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(replicator, published), name=f"replicate-{step}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, replicator: PeerReplicator, published: Path | None) -> None:
-        try:
-            self._report = replicator.replicate(self.step, published)
-        except Exception as exc:  # a peer lost mid-exchange: the step stays local-only
-            self._error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        self.seconds = time.perf_counter() - self.started
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self, timeout: float | None = None) -> ReplicationReport | None:
-        """The report once finished (None if still running after ``timeout``)."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            return None
-        if self._report is not None:
-            return self._report
-        report = ReplicationReport(self.step)
-        report.failures = {self.owner: f"replication of step {self.step} failed: {self._error}"}
-        report.under_replicated = [self.owner]
-        return report

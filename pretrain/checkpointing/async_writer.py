@@ -4,7 +4,7 @@
   buffers (on GPU a device-to-host copy on its own stream into pinned memory), then writes. The
   copy overlaps the next step's forward and backward, which only read the weights; the trainer
   calls :meth:`BackgroundWrite.wait_for_snapshot` before the optimizer changes them in place.
-  Small tensors and every non-tensor value are copied on the training thread at the save (cheap).
+  Every non-tensor value is copied on the training thread at the save (cheap).
 * ``fork`` (CPU): ``os.fork()`` is the snapshot. The child sees the parent's memory as it was at
   the fork (copy-on-write), serialises it, fsyncs and exits; the parent goes on training and
   changes its own pages only. Blocked time is the fork itself (page tables, not data), plus the
@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,6 @@ import torch
 from tiering.fsio import write_file_durably
 
 log = logging.getLogger(__name__)
-
-ERROR_FILE = ".write-error"
-# Tensors below this size are copied on the training thread at the save (RNG states, step
-# counters, scalers): cheaper than handing them over, and nothing can change them afterwards.
-STAGE_IN_BACKGROUND_BYTES = 1 << 20
 
 
 @dataclass
@@ -77,7 +73,11 @@ class BackgroundWrite:
         path: Path,
         fault: str | None = None,
         buffers: SnapshotBuffers | None = None,
+        prepare: Callable[[], object] | None = None,
     ) -> None:
+        """``prepare`` (e.g. creating the step's temporary directory) runs in the writer, before
+        the write: file-system metadata calls can stall for long under heavy writeback, and
+        that is no reason to hold up training."""
         self.mode = mode
         self.path = path
         self.started = time.perf_counter()
@@ -96,14 +96,14 @@ class BackgroundWrite:
             self._pid = os.fork()
             if self._pid == 0:  # the child: write, fsync, leave without running any parent cleanup
                 os.close(read_fd)
-                _child_write(payload, path, fault, write_fd)
+                _child_write(payload, path, fault, write_fd, prepare)
             os.close(write_fd)
             self._digest_fd = read_fd
             self._snapshot_done.set()
         else:
             staged = _stage_on_training_thread(payload)
             self._thread = threading.Thread(
-                target=self._write_thread, args=(staged, buffers, fault), name="ckpt-writer", daemon=True
+                target=self._write_thread, args=(staged, buffers, fault, prepare), name="ckpt-writer", daemon=True
             )
             self._thread.start()
         self.blocked_seconds = time.perf_counter() - t0
@@ -128,12 +128,20 @@ class BackgroundWrite:
         self.blocked_seconds += waited
         return waited
 
-    def _write_thread(self, staged: dict[str, Any], buffers: SnapshotBuffers | None, fault: str | None) -> None:
+    def _write_thread(
+        self,
+        staged: dict[str, Any],
+        buffers: SnapshotBuffers | None,
+        fault: str | None,
+        prepare: Callable[[], object] | None,
+    ) -> None:
         try:
             try:
-                self._snapshot = _copy_large_tensors(staged, buffers)
+                self._snapshot = _copy_tensors(staged, buffers)
             finally:
                 self._snapshot_done.set()  # never leave the trainer waiting, even on failure
+            if prepare is not None:
+                prepare()
             if fault == "slow":
                 time.sleep(0.6)
             self._digest = write_file_durably(self.path, lambda fh: torch.save(self._snapshot, fh))
@@ -151,15 +159,15 @@ class BackgroundWrite:
             if pid == 0:
                 return None
             error = None
+            report = _read_report(self._digest_fd)
+            self._close_pipe()
             if os.WIFSIGNALED(status):
                 error = f"background writer (pid {self._pid}) was killed by signal {os.WTERMSIG(status)}"
             elif os.WEXITSTATUS(status) != 0:
-                err_file = self.path.parent / ERROR_FILE
-                detail = err_file.read_text().strip() if err_file.exists() else "no detail"
+                detail = report.get("error", "no detail")
                 error = f"background writer (pid {self._pid}) exited {os.WEXITSTATUS(status)}: {detail}"
             else:
-                self._digest = _read_digest(self._digest_fd)
-            self._close_pipe()
+                self._digest = report.get("digest")
         else:
             assert self._thread is not None
             self._thread.join(None if block else 0)
@@ -182,63 +190,93 @@ class BackgroundWrite:
             self._digest_fd = None
 
 
-def _stage_on_training_thread(payload: dict[str, Any]) -> dict[str, Any]:
-    """Copy what is cheap now (non-tensor values, small tensors); large tensors stay references
-    for the writer thread to copy before the next optimizer step."""
+def _stage_on_training_thread(payload: Any) -> Any:
+    """Rebuild the containers and copy every non-tensor value now (the scheduler, counters and
+    RNG states move on before the writer runs); tensors stay references for the writer thread to
+    copy before the next optimizer step, the only thing that changes them in place."""
+    if isinstance(payload, torch.Tensor):
+        return payload
+    if isinstance(payload, dict):
+        return {k: _stage_on_training_thread(v) for k, v in payload.items()}
+    if type(payload) in (list, tuple):
+        return type(payload)(_stage_on_training_thread(v) for v in payload)
+    if isinstance(payload, (int, float, str, bool, bytes, type(None))):
+        return payload
+    return copy.deepcopy(payload)
 
-    def leaf(v: Any) -> Any:
+
+def _copy_tensors(staged: Any, buffers: SnapshotBuffers | None) -> dict[str, Any]:
+    """The writer thread's snapshot: every tensor copied into host memory (into reusable
+    buffers when given; on GPU on a side stream into pinned buffers), the rest as staged."""
+    on_gpu = _any_cuda(staged)
+    stream = torch.cuda.Stream() if on_gpu else None
+    if stream is not None:  # after the kernels that produced the state (the optimizer step)
+        stream.wait_stream(torch.cuda.default_stream())
+    counter = iter(range(1 << 62))
+
+    def copy_tree(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            if v.numel() * v.element_size() < STAGE_IN_BACKGROUND_BYTES:
-                return v.detach().to("cpu", copy=True)
-            return v
-        return copy.deepcopy(v)
+            index = next(counter)
+            if buffers is not None:
+                return buffers.copy(index, v, stream)
+            return v.detach().to("cpu", copy=True, non_blocking=stream is not None)
+        if isinstance(v, dict):
+            return {k: copy_tree(x) for k, x in v.items()}
+        if type(v) in (list, tuple):
+            return type(v)(copy_tree(x) for x in v)
+        return v
 
-    return torch.utils._pytree.tree_map(leaf, payload)
-
-
-def _copy_large_tensors(staged: dict[str, Any], buffers: SnapshotBuffers | None) -> dict[str, Any]:
-    leaves, spec = torch.utils._pytree.tree_flatten(staged)
-    stream = torch.cuda.Stream() if any(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves) else None
-    out = []
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for index, v in enumerate(leaves):
-            if isinstance(v, torch.Tensor) and (v.is_cuda or v.numel() * v.element_size() >= STAGE_IN_BACKGROUND_BYTES):
-                if buffers is not None:
-                    v = buffers.copy(index, v, stream)
-                else:
-                    v = v.detach().to("cpu", copy=True, non_blocking=stream is not None)
-            out.append(v)
+        snapshot = copy_tree(staged)
     if stream is not None:
         stream.synchronize()
-    return torch.utils._pytree.tree_unflatten(out, spec)
+    return snapshot
 
 
-def _read_digest(fd: int | None) -> tuple[int, str] | None:
+def _any_cuda(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.is_cuda
+    if isinstance(v, dict):
+        return any(_any_cuda(x) for x in v.values())
+    if type(v) in (list, tuple):
+        return any(_any_cuda(x) for x in v)
+    return False
+
+
+def _read_report(fd: int | None) -> dict[str, Any]:
+    """What the fork writer reported through its pipe: ``digest`` or ``error``."""
     if fd is None:
-        return None
+        return {}
     raw = b""
-    while chunk := os.read(fd, 4096):
+    while chunk := os.read(fd, 65536):
         raw += chunk
     try:
-        size, digest = json.loads(raw)
-        return int(size), str(digest)
-    except (ValueError, TypeError):
-        return None  # the manifest then hashes the file itself
+        report = json.loads(raw)
+    except ValueError:
+        return {}  # nothing (killed): the caller has the signal
+    if "digest" in report:
+        report["digest"] = (int(report["digest"][0]), str(report["digest"][1]))
+    return report
 
 
-def _child_write(payload: dict[str, Any], path: Path, fault: str | None, digest_fd: int) -> None:
+def _child_write(
+    payload: dict[str, Any], path: Path, fault: str | None, report_fd: int, prepare: Callable[[], object] | None
+) -> None:
     code = 0
+    report: dict[str, Any] = {}
     try:
         if fault == "hang":  # tests: a writer that never finishes (killed from outside)
             time.sleep(3600)
         if fault == "slow":  # tests: a slow filesystem
             time.sleep(0.6)
-        digest = write_file_durably(path, lambda fh: torch.save(payload, fh))
+        if prepare is not None:
+            prepare()
+        report["digest"] = list(write_file_durably(path, lambda fh: torch.save(payload, fh)))
         if fault == "fail":
             raise OSError("injected writer failure")
-        os.write(digest_fd, json.dumps(list(digest)).encode())
     except BaseException as exc:  # noqa: BLE001 - the child must always reach os._exit
         code = 1
-        with contextlib.suppress(OSError):
-            (path.parent / ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=2)}")
+        report = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=2)}
+    with contextlib.suppress(OSError):
+        os.write(report_fd, json.dumps(report).encode())
     os._exit(code)

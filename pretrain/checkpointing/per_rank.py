@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,7 @@ from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
 from tiering.publish import PosixStepPublisher
-from tiering.replication import (
-    PeerReplicator,
-    ReplicationInFlight,
-    ReplicationReport,
-    primary_store,
-    replica_store,
-)
+from tiering.replication import PeerReplicator, primary_store, replica_store
 from tiering.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -84,7 +79,7 @@ class PerRankCheckpoints:
         self._last_bytes = 0
         self._inflight: dict[str, Any] | None = None
         self._buffers = SnapshotBuffers()
-        self._replication: ReplicationInFlight | None = None
+        self._publishing: _PublishInFlight | None = None
         rep = cfg.checkpoint.replication
         self.node = node_name(rep.node)
         pairs = coll.all_gather((self.node, failure_domain(self.node, rep.domains)))
@@ -135,6 +130,7 @@ class PerRankCheckpoints:
         never half-present in tier 1. ``deadline`` (``time.monotonic()``) bounds an emergency save:
         past it, nothing is published.
         """
+        self._finish_publishing()
         t0 = time.perf_counter()
         error = None
         tmp: Path | None = None
@@ -160,22 +156,30 @@ class PerRankCheckpoints:
     # -- background saves -------------------------------------------------------------------------
     @property
     def in_flight(self) -> int | None:
-        """The step being written in the background, if any."""
-        return self._inflight["step"] if self._inflight is not None else None
+        """The step being written or published in the background on this rank, if any."""
+        if self._inflight is not None:
+            return self._inflight["step"]
+        return self._publishing.step if self._publishing is not None else None
+
+    def busy(self) -> bool:
+        """Collective: is a save still in flight on any rank? (Ranks finish publishing at
+        different times; they must agree before starting or skipping the next save.)"""
+        return any(self.coll.all_gather(self.in_flight is not None))
 
     def start_async(self, state: TrainingState) -> float:
         """Snapshot this rank's state and write it in the background; returns the seconds training
         was blocked. Every rank starts at the same step; :meth:`poll_async` publishes it."""
         from pretrain.checkpointing.async_writer import BackgroundWrite
 
-        assert self._inflight is None, "one tier-1 save in flight at most"
+        assert self.in_flight is None, "one tier-1 save in flight at most"
         t0 = time.perf_counter()
-        entry: dict[str, Any] = {"step": state.step, "t0": t0, "tmp": None, "write": None, "error": None}
+        step = state.step
+        tmp = self.store.layout.tmp_dir(step, self.attempt)
+        entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
         try:
-            entry["tmp"] = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
             entry["manifest"] = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
             inj = self.cfg.fault_tolerance.inject
-            chosen = inj.writer_fault_at_step == state.step and inj.writer_fault_rank == self.rank
+            chosen = inj.writer_fault_at_step == step and inj.writer_fault_rank == self.rank
             fault = inj.writer_fault if chosen else None
             payload = self._payload(state)
             mode = self._async_mode()
@@ -185,7 +189,12 @@ class PerRankCheckpoints:
                 entry["host_copy"] = copy.deepcopy(payload)
             # A snapshot kept as the host copy cannot share buffers with the next save.
             buffers = None if keep_host_copy else self._buffers
-            entry["write"] = BackgroundWrite(mode, payload, entry["tmp"] / STATE_FILE, fault, buffers)
+            expected = self._last_bytes
+
+            def make_tmp_dir() -> None:  # in the writer: a mkdir can stall behind writeback
+                self.publisher.begin(step, expected_bytes=expected)
+
+            entry["write"] = BackgroundWrite(mode, payload, tmp / STATE_FILE, fault, buffers, prepare=make_tmp_dir)
         except (PublishError, OSError) as exc:
             entry["error"] = str(exc)
         except Exception as exc:
@@ -196,42 +205,50 @@ class PerRankCheckpoints:
         write = entry["write"]
         if self._record_event is not None and write is not None:
             self._record_event(
-                "save_started", tier="local", step=state.step, writer_pid=write.pid, blocked=entry["blocked"]
+                "save_started", durable=False, tier="local", step=step, writer_pid=write.pid, blocked=entry["blocked"]
             )
         return entry["blocked"]
 
     def poll_async(self, block: bool = False) -> SaveResult | None:
-        """Collective while a save is in flight: publish it once every rank's writer is done.
+        """Advance the save in flight; None while it is not finished on this rank (unless ``block``).
 
-        Returns None while any writer runs (unless ``block``); the SaveResult once committed;
-        raises PublishError (on every rank) if any writer failed or died: the step is not committed
+        Writing: collective (every rank, every step) until every rank's writer is done; then the
+        commit, replication and retention run on a publisher thread (collectives on the
+        replication group), off the training step. Returns the SaveResult once this rank has
+        published; raises PublishError if any writer failed or died: the step is not committed
         and its temporary directory is gone, older steps are intact.
         """
         entry = self._inflight
-        if entry is None:
+        if entry is not None:
+            write = entry["write"]
+            outcome = write.poll(block) if write is not None else None
+            if write is not None and outcome is None:
+                status = "running"
+            else:
+                status = entry["error"] or (outcome.error if outcome is not None else None) or "ok"
+            statuses = self.coll.all_gather(status)
+            if "running" in statuses:
+                if not block:
+                    return None
+                raise AssertionError("a blocking poll cannot see a running writer")  # pragma: no cover
+            self._inflight = None
+            error = None if status == "ok" else status
+            peer = next((f"rank {r}: {e}" for r, e in enumerate(statuses) if e != "ok"), None)
+            digest = outcome.digest if outcome is not None else None
+            blocked = entry["blocked"] + (write.blocked_seconds - entry["write_blocked"] if write is not None else 0.0)
+            host_copy = entry.get("host_copy") or (write.snapshot if write is not None else None)
+            args = (entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], blocked, digest)
+            self._publishing = _PublishInFlight(
+                entry["step"], lambda: self._publish(*args, coll=self.replicator.coll, peer_error=peer), host_copy
+            )
+        job = self._publishing
+        if job is None or (not block and not job.done()):
             return None
-        write = entry["write"]
-        outcome = write.poll(block) if write is not None else None
-        if write is not None and outcome is None:
-            status = "running"
-        else:
-            status = entry["error"] or (outcome.error if outcome is not None else None) or "ok"
-        statuses = self.coll.all_gather(status)
-        if "running" in statuses:
-            if not block:
-                return None
-            raise AssertionError("a blocking poll cannot see a running writer")  # pragma: no cover
-        self._inflight = None
-        error = None if status == "ok" else status
-        digest = outcome.digest if outcome is not None else None
-        blocked = entry["blocked"] + (write.blocked_seconds - entry["write_blocked"] if write is not None else 0.0)
-        result = self._publish(
-            entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], blocked, digest, background=True
-        )
+        self._publishing = None
+        result = job.result()  # raises the PublishError of a failed save
         ipc = self.cfg.fault_tolerance.inprocess
-        host_copy = entry.get("host_copy") or (write.snapshot if write is not None else None)
-        if ipc.enabled and ipc.keep_host_copy and host_copy is not None:
-            _HOST_COPIES[(self.run_id, self.rank)] = (entry["step"], host_copy)
+        if ipc.enabled and ipc.keep_host_copy and job.host_copy is not None:
+            _HOST_COPIES[(self.run_id, self.rank)] = (job.step, job.host_copy)
         return result
 
     def before_optimizer_step(self) -> float:
@@ -244,12 +261,23 @@ class PerRankCheckpoints:
 
     def abandon_async(self) -> None:
         """Leaving without publishing (an exception unwinds the loop): stop a fork writer; give
-        a replication in flight the transport's timeout to end (a lost peer fails it sooner)."""
+        a publish in flight the replication timeout to end (a lost peer fails it sooner)."""
         if self._inflight is not None and self._inflight["write"] is not None:
             self._inflight["write"].kill()
         self._inflight = None
-        self.finish_replication(timeout=self.cfg.checkpoint.replication.timeout_s)
-        self._replication = None
+        if self._publishing is not None:
+            self._publishing.wait(self.cfg.checkpoint.replication.timeout_s)
+        self._publishing = None
+
+    def _finish_publishing(self) -> None:
+        """Before a synchronous save: the background publish must be over (it uses the same
+        replication group and may still read the step retention would delete)."""
+        if self._publishing is not None:
+            step = self._publishing.step
+            try:
+                self.poll_async(block=True)
+            except PublishError as exc:
+                log.error("rank %d: background save of step %d failed: %s", self.rank, step, exc)
 
     def _async_mode(self) -> str:
         mode = self.cfg.checkpoint.async_.mode
@@ -269,13 +297,21 @@ class PerRankCheckpoints:
         t0: float,
         blocked_s: float,
         digest: tuple[int, str] | None = None,
-        background: bool = False,
+        coll: Collective | None = None,
+        peer_error: str | None = None,
     ) -> SaveResult:
-        """Collective tail of every save: agree, commit or abort, replicate, apply retention."""
+        """Collective tail of every save: agree, commit or abort, replicate, apply retention.
+
+        On the training thread (synchronous saves) its collectives use the training group; on
+        the publisher thread (background saves), the replication group, whose waits are bounded;
+        the writers' outcomes are then already agreed (``peer_error``).
+        """
+        coll = coll or self.coll
         published: Path | None = None
-        failed = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
-        if tmp is not None:
+        if coll is self.coll:
+            failed = [(r, e) for r, e in enumerate(coll.all_gather(error)) if e]
             peer_error = f"rank {failed[0][0]}: {failed[0][1]}" if failed else None
+        if tmp is not None and tmp.is_dir():
             try:
                 if manifest is None:
                     raise PublishError(f"{tmp}: no manifest ({error})")
@@ -285,65 +321,37 @@ class PerRankCheckpoints:
                 published = self.store.step_path(step)
             except (PublishError, OSError) as exc:
                 error = error or str(exc)
+        elif error is None:
+            error = peer_error or f"{tmp}: the writer left no temporary directory"
         if error:
             log.error("rank %d: local save of step %d failed: %s", self.rank, step, error)
         local_s = time.perf_counter() - t0
-        self.finish_replication()  # one replication in flight at most: it may still read an older step
-        under_replicated: list[int] | None = None
-        replication_s: float | None = None
-        if background:
-            # Off the step: the bytes go to the peers on the replication group's own thread;
-            # finish_replication() reports the outcome (a "replicated" event).
-            self._replication = ReplicationInFlight(self.replicator, step, published)
-        else:
-            report = self.replicator.replicate(step, published)
-            replication_s = time.perf_counter() - t0 - local_s
-            under_replicated = report.under_replicated
-            self._warn_under_replicated(report)
+        report = self.replicator.replicate(step, published)
+        replication_s = time.perf_counter() - t0 - local_s
         if published is not None:
             for old in self.store.apply_retention(protected={step}):
                 log.debug("retention: deleted local step %d (keep=%d)", old, self.keep)
-        errors = [(r, e) for r, e in enumerate(self.coll.all_gather(error)) if e]
+        errors = [(r, e) for r, e in enumerate(coll.all_gather(error)) if e]
         if errors:
             raise PublishError(f"step {step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
+        if report.under_replicated and self.rank == 0:
+            log.warning(
+                "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
+                step,
+                report.under_replicated,
+                self.cfg.checkpoint.replication.factor,
+                next(iter(report.failures.values())),
+            )
         return SaveResult(
             self.name,
             step,
             local_s,
             self._last_bytes,
             published or self.store.step_path(step),
-            under_replicated,
+            report.under_replicated,
             replication_s,
             blocked_seconds=blocked_s,
         )
-
-    def finish_replication(self, block: bool = True, timeout: float | None = None) -> ReplicationReport | None:
-        """Harvest the background replication: its report once it finished (waiting for it, up to
-        ``timeout``, when ``block``), None if none finished. Not collective: each rank harvests
-        its own thread."""
-        job = self._replication
-        if job is None or (not block and not job.done()):
-            return None
-        report = job.result(timeout=timeout if block else 0)
-        if report is None:  # still running after the timeout: leave it to the exit
-            return None
-        self._replication = None
-        self._warn_under_replicated(report)
-        if self._record_event is not None:
-            self._record_event(
-                "replicated", step=report.step, seconds=round(job.seconds, 4), under_replicated=report.under_replicated
-            )
-        return report
-
-    def _warn_under_replicated(self, report: ReplicationReport) -> None:
-        if report.under_replicated and self.rank == 0:
-            log.warning(
-                "step %d is under-replicated: ranks %s have fewer than %d copies (%s); the next step replicates again",
-                report.step,
-                report.under_replicated,
-                self.cfg.checkpoint.replication.factor,
-                next(iter(report.failures.values())),
-            )
 
     def _payload(self, state: TrainingState) -> dict[str, Any]:
         cursor = state.sampler.cursor(state.consumed_samples)
@@ -404,3 +412,36 @@ class PerRankCheckpoints:
 
     def step_bytes(self, step: int) -> int:
         return dir_size(self.store.step_path(step))
+
+
+class _PublishInFlight:
+    """A background save's commit, replication and retention, on its own thread."""
+
+    def __init__(self, step: int, publish: Any, host_copy: dict[str, Any] | None) -> None:
+        self.step = step
+        self.host_copy = host_copy
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(publish,), name=f"publish-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, publish: Any) -> None:
+        try:
+            self._result = publish()
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by result()
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None) -> None:
+        self._thread.join(timeout)
+
+    def result(self) -> SaveResult:
+        self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, PublishError):
+                raise self._error
+            raise PublishError(f"step {self.step} not published: {one_line(self._error)}")
+        assert self._result is not None
+        return self._result

@@ -98,6 +98,10 @@ class ReshardableCheckpoints:
         """The step being written in the background, if any."""
         return self._inflight["step"] if self._inflight is not None else None
 
+    def busy(self) -> bool:
+        """Is a save in flight? The same answer on every rank: Megatron finalizes collectively."""
+        return self.in_flight is not None
+
     def start_async(self, state: TrainingState) -> float:
         """Collective: plan the save, write the small per-rank files, and hand the shards to a
         forked writer (copy-on-write snapshot); returns the seconds training was blocked.

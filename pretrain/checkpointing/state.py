@@ -65,9 +65,8 @@ class SaveResult:
     seconds: float
     bytes: int
     path: Path
-    # None while the replication runs in the background (a "replicated" event reports it)
-    under_replicated: list[int] | None = field(default_factory=list)
-    replication_seconds: float | None = 0.0
+    under_replicated: list[int] = field(default_factory=list)
+    replication_seconds: float = 0.0
     blocked_seconds: float | None = None  # training's share of the save (background saves: the snapshot)
 
 
