@@ -150,8 +150,9 @@ class AsyncSaveConfig:
     tier that feeds S3: training pays for a snapshot, the step commits once it is durable."""
 
     enabled: bool = True
-    # fork: copy-on-write snapshot by os.fork (CPU); thread: explicit host copy + writer thread
-    # (any device); auto: fork on CPU, thread on GPU (forking a CUDA process is unsafe).
+    # thread: the writer thread copies the state into reusable host buffers (pinned on GPU)
+    # while the next forward/backward runs, then writes; fork: copy-on-write snapshot by
+    # os.fork (CPU only: forking a CUDA process is unsafe); auto: thread.
     mode: Literal["auto", "fork", "thread"] = "auto"
     max_in_flight: int = 1  # per tier
     # A save due while one is in flight: wait for it, or skip this one (logged and counted).

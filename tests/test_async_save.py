@@ -104,6 +104,7 @@ def test_a_killed_writer_never_commits_and_the_next_save_works(tmp_path: Path, c
         **{
             "train.steps": 60,
             "checkpoint.reshardable.interval": 20,
+            "checkpoint.async.mode": "fork",  # a writer process to SIGKILL
             "fault_tolerance.inject.writer_fault_at_step": 20,
             "fault_tolerance.inject.writer_fault": "hang",
         },

@@ -281,12 +281,11 @@ class PerRankCheckpoints:
 
     def _async_mode(self) -> str:
         mode = self.cfg.checkpoint.async_.mode
-        if mode == "auto":
-            # thread: a GPU process must not fork, and in-process restarts keep the thread
-            # writer's copy as the host copy; fork elsewhere (see checkpoint.async.mode).
-            ipc = self.cfg.fault_tolerance.inprocess
-            return "thread" if torch.cuda.is_available() or (ipc.enabled and ipc.keep_host_copy) else "fork"
-        return mode
+        # auto is thread: a GPU process must not fork; on CPU its snapshot overlaps the next
+        # forward/backward (bench: 3.8 ms blocked per 305 MB save vs 27 ms for fork, whose
+        # copy-on-write faults then slow the next step too), and in-process restarts keep its
+        # copy as the host copy. fork stays for isolation (a writer that can be SIGKILLed).
+        return "thread" if mode == "auto" else mode
 
     def _publish(
         self,

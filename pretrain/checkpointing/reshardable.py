@@ -228,15 +228,21 @@ class ReshardableCheckpoints:
         if selection is None:
             return None
         path = self.tier.step_path(selection.step)
-        trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-        apply_trainer_state(state, trainer, path / "trainer.pt")
-        model_sd = state.model.sharded_state_dict()
-        optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
-        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
-        state.model.load_state_dict(loaded["model"], strict=True)
-        state.optimizer.load_sharded_state_dict(loaded["optimizer"])
-        rng_restored = self._restore_rank_state(path, trainer, state)
-        self.coll.barrier()
+        # Shared staging: the uploader's or an operator's retention must not delete it under us.
+        pin = self.tier.pin(selection.step, "restore") if self.coll.rank == 0 else None
+        try:
+            trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+            apply_trainer_state(state, trainer, path / "trainer.pt")
+            model_sd = state.model.sharded_state_dict()
+            optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
+            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
+            state.model.load_state_dict(loaded["model"], strict=True)
+            state.optimizer.load_sharded_state_dict(loaded["optimizer"])
+            rng_restored = self._restore_rank_state(path, trainer, state)
+            self.coll.barrier()
+        finally:
+            if pin is not None:
+                pin.unlink(missing_ok=True)
         return RestoreResult(
             self.name, selection.step, time.perf_counter() - t0, verify_s, rng_restored, selection.rejected, path
         )
