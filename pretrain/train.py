@@ -487,6 +487,8 @@ def _report_failed(session: Session, ctx: AttemptContext, tier: str, step: int, 
 
 
 def _start_background_save(session: Session, ctx: AttemptContext, tier: Any) -> None:
+    from tiering.errors import PublishError
+
     step = session.state.step
     final = step == session.cfg.train.steps  # the last step is never skipped
     if tier.busy():
@@ -496,7 +498,11 @@ def _start_background_save(session: Session, ctx: AttemptContext, tier: Any) -> 
             ctx.metrics.save_skipped(tier.name)
             return
         _poll_background(session, ctx, block=True, tiers=[tier])
-    tier.start_async(session.state)
+    try:
+        tier.start_async(session.state)
+    except PublishError as exc:  # refused up front on every rank (a full volume): nothing started
+        _report_failed(session, ctx, tier.name, step, exc)
+        return
     ctx.metrics.queue_depth = ctx.metrics.uncommitted = session.ckpt.in_flight_count()
 
 
