@@ -130,7 +130,7 @@ class PerRankCheckpoints:
         never half-present in tier 1. ``deadline`` (``time.monotonic()``) bounds an emergency save:
         past it, nothing is published.
         """
-        self._finish_publishing()
+        self.finish_publishing()
         t0 = time.perf_counter()
         error = None
         tmp: Path | None = None
@@ -269,13 +269,15 @@ class PerRankCheckpoints:
             self._publishing.wait(self.cfg.checkpoint.replication.timeout_s)
         self._publishing = None
 
-    def _finish_publishing(self) -> None:
-        """Before a synchronous save: the background publish must be over (it uses the same
-        replication group and may still read the step retention would delete)."""
+    def finish_publishing(self) -> None:
+        """Wait for a background publish (its failure is logged): before a synchronous save (the
+        same replication group; retention) or before moving steps out of the stores."""
         if self._publishing is not None:
             step = self._publishing.step
             try:
-                self.poll_async(block=True)
+                saved = self.poll_async(block=True)
+                if saved is not None and self.rank == 0:
+                    log.info("background save of step %d published", saved.step)
             except PublishError as exc:
                 log.error("rank %d: background save of step %d failed: %s", self.rank, step, exc)
 

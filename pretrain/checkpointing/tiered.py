@@ -85,6 +85,7 @@ class TieredCheckpointer:
         tier) and record it as suspect, so that no tier, S3 included, restores it again."""
         moved: list[str] = []
         if self.local is not None:
+            self.local.finish_publishing()  # its retention must not race the moves below
             stores = self.local.stores()
             moved += [str(p) for p in (store.quarantine(step, reason) for store in stores) if p]
         if self.coll.rank == 0:
