@@ -130,11 +130,10 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
 
     def one_incarnation(call_wrapper: inprocess.CallWrapper | None = None) -> Any:
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
+        os.environ[ITERATION_ENV] = str(iteration)
         if iteration:
             # The Wrapper has collected the failed incarnation's garbage: what is left lives on.
             gc.freeze()
-        os.environ[ITERATION_ENV] = str(iteration)
-        if iteration:
             log.warning("in-process restart %d: rebuilding the process group", iteration)
         store = dist.PrefixStore(f"incarnation-{iteration}", pg_store)
         connections.mark()

@@ -47,6 +47,11 @@ class WriteOutcome:
     digest: tuple[int, str] | None = None  # (bytes, sha256) of the written file
 
 
+def killed_by_signal(pid: int, signum: int) -> str:
+    """How a background writer process that was killed is reported (both tiers)."""
+    return f"background writer (pid {pid}) was killed by signal {signum}"
+
+
 class SnapshotBuffers:
     """Host buffers reused from one save to the next (pinned on GPU hosts), keyed by position."""
 
@@ -81,16 +86,15 @@ class BackgroundWrite:
         self.mode = mode
         self.path = path
         self.started = time.perf_counter()
-        self.blocked_seconds = 0.0
+        self.snapshot_wait_seconds = 0.0  # what wait_for_snapshot() cost the trainer
         self._pid: int | None = None
-        self._digest_fd: int | None = None
+        self._report_fd: int | None = None
         self._thread: threading.Thread | None = None
         self._thread_error: str | None = None
         self._digest: tuple[int, str] | None = None
         self._snapshot_done = threading.Event()
         self._snapshot: dict[str, Any] | None = None
         self._outcome: WriteOutcome | None = None
-        t0 = time.perf_counter()
         if mode == "fork":
             read_fd, write_fd = os.pipe()
             self._pid = os.fork()
@@ -98,7 +102,7 @@ class BackgroundWrite:
                 os.close(read_fd)
                 _child_write(payload, path, fault, write_fd, prepare)
             os.close(write_fd)
-            self._digest_fd = read_fd
+            self._report_fd = read_fd
             self._snapshot_done.set()
         else:
             staged = _stage_on_training_thread(payload)
@@ -106,7 +110,6 @@ class BackgroundWrite:
                 target=self._write_thread, args=(staged, buffers, fault, prepare), name="ckpt-writer", daemon=True
             )
             self._thread.start()
-        self.blocked_seconds = time.perf_counter() - t0
 
     @property
     def pid(self) -> int | None:
@@ -125,7 +128,7 @@ class BackgroundWrite:
         t0 = time.perf_counter()
         self._snapshot_done.wait()
         waited = time.perf_counter() - t0
-        self.blocked_seconds += waited
+        self.snapshot_wait_seconds += waited
         return waited
 
     def _write_thread(
@@ -159,10 +162,10 @@ class BackgroundWrite:
             if pid == 0:
                 return None
             error = None
-            report = _read_report(self._digest_fd)
+            report = _read_report(self._report_fd)
             self._close_pipe()
             if os.WIFSIGNALED(status):
-                error = f"background writer (pid {self._pid}) was killed by signal {os.WTERMSIG(status)}"
+                error = killed_by_signal(self._pid, os.WTERMSIG(status))
             elif os.WEXITSTATUS(status) != 0:
                 detail = report.get("error", "no detail")
                 error = f"background writer (pid {self._pid}) exited {os.WEXITSTATUS(status)}: {detail}"
@@ -185,9 +188,9 @@ class BackgroundWrite:
             self.poll(block=True)
 
     def _close_pipe(self) -> None:
-        if self._digest_fd is not None:
-            os.close(self._digest_fd)
-            self._digest_fd = None
+        if self._report_fd is not None:
+            os.close(self._report_fd)
+            self._report_fd = None
 
 
 def _stage_on_training_thread(payload: Any) -> Any:

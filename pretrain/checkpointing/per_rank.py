@@ -80,6 +80,8 @@ class PerRankCheckpoints:
         self._inflight: dict[str, Any] | None = None
         self._buffers = SnapshotBuffers()
         self._publishing: _PublishInFlight | None = None
+        ipc = cfg.fault_tolerance.inprocess
+        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy  # for in-process restarts
         rep = cfg.checkpoint.replication
         self.node = node_name(rep.node)
         pairs = coll.all_gather((self.node, failure_domain(self.node, rep.domains)))
@@ -148,8 +150,7 @@ class PerRankCheckpoints:
             error = "emergency save deadline passed before commit"
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
         result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0, digest)
-        ipc = self.cfg.fault_tolerance.inprocess
-        if ipc.enabled and ipc.keep_host_copy and payload is not None:
+        if self._keep_host_copy and payload is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
         return result
 
@@ -183,12 +184,10 @@ class PerRankCheckpoints:
             fault = inj.writer_fault if chosen else None
             payload = self._payload(state)
             mode = self._async_mode()
-            ipc = self.cfg.fault_tolerance.inprocess
-            keep_host_copy = ipc.enabled and ipc.keep_host_copy
-            if keep_host_copy and mode == "fork":  # the thread writer's own copy serves instead
+            if self._keep_host_copy and mode == "fork":  # the thread writer's own copy serves instead
                 entry["host_copy"] = copy.deepcopy(payload)
             # A snapshot kept as the host copy cannot share buffers with the next save.
-            buffers = None if keep_host_copy else self._buffers
+            buffers = None if self._keep_host_copy else self._buffers
             expected = self._last_bytes
 
             def make_tmp_dir() -> None:  # in the writer: a mkdir can stall behind writeback
@@ -200,7 +199,6 @@ class PerRankCheckpoints:
         except Exception as exc:
             entry["error"] = one_line(exc)
         entry["blocked"] = time.perf_counter() - t0
-        entry["write_blocked"] = entry["write"].blocked_seconds if entry["write"] is not None else 0.0
         self._inflight = entry
         write = entry["write"]
         if self._record_event is not None and write is not None:
@@ -235,7 +233,7 @@ class PerRankCheckpoints:
             error = None if status == "ok" else status
             peer = next((f"rank {r}: {e}" for r, e in enumerate(statuses) if e != "ok"), None)
             digest = outcome.digest if outcome is not None else None
-            blocked = entry["blocked"] + (write.blocked_seconds - entry["write_blocked"] if write is not None else 0.0)
+            blocked = entry["blocked"] + (write.snapshot_wait_seconds if write is not None else 0.0)
             host_copy = entry.get("host_copy") or (write.snapshot if write is not None else None)
             args = (entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], blocked, digest)
             self._publishing = _PublishInFlight(
@@ -246,8 +244,7 @@ class PerRankCheckpoints:
             return None
         self._publishing = None
         result = job.result()  # raises the PublishError of a failed save
-        ipc = self.cfg.fault_tolerance.inprocess
-        if ipc.enabled and ipc.keep_host_copy and job.host_copy is not None:
+        if self._keep_host_copy and job.host_copy is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (job.step, job.host_copy)
         return result
 
@@ -270,16 +267,11 @@ class PerRankCheckpoints:
         self._publishing = None
 
     def finish_publishing(self) -> None:
-        """Wait for a background publish (its failure is logged): before a synchronous save (the
-        same replication group; retention) or before moving steps out of the stores."""
+        """Wait until a background publish is over: before a synchronous save (the same
+        replication group; retention) or before moving steps out of the stores. Its outcome
+        stays for :meth:`poll_async` to hand to the trainer, which reports it."""
         if self._publishing is not None:
-            step = self._publishing.step
-            try:
-                saved = self.poll_async(block=True)
-                if saved is not None and self.rank == 0:
-                    log.info("background save of step %d published", saved.step)
-            except PublishError as exc:
-                log.error("rank %d: background save of step %d failed: %s", self.rank, step, exc)
+            self._publishing.wait(None)
 
     def _async_mode(self) -> str:
         mode = self.cfg.checkpoint.async_.mode

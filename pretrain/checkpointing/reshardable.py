@@ -25,6 +25,7 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pretrain.checkpointing.async_writer import killed_by_signal
 from pretrain.checkpointing.state import (
     RestoreResult,
     SaveResult,
@@ -120,9 +121,7 @@ class ReshardableCheckpoints:
             error = self._write_error(tmp, state.step, exc)
         errors = [e for e in self.coll.all_gather(error) if e]
         if errors and scheduled:
-            # Another rank could not start: its writer will never finalize with ours.
-            self._queue.close(abort=True)
-            self._queue = _new_queue()
+            self._drop_queue()  # another rank could not start: its writer never finalizes with ours
         blocked = time.perf_counter() - t0
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
         self._inflight = {"step": state.step, "tmp": tmp, "manifest": manifest, "t0": t0, "blocked": blocked}
@@ -149,10 +148,10 @@ class ReshardableCheckpoints:
             except (Exception, CheckpointException) as exc:  # raised on every rank by Megatron
                 code = writer.exitcode if writer is not None else None
                 if code is not None and code < 0:  # Megatron only sees the missing results
-                    error = f"background writer (pid {writer.pid}) was killed by signal {-code}"
+                    error = killed_by_signal(writer.pid, -code)
                 else:
                     error = f"background writer failed: {one_line(exc)}"
-                self._queue = _new_queue()
+                self._drop_queue()
         self._inflight = None
         return self._commit(entry["step"], entry["tmp"], entry["manifest"], error, entry["t0"], entry["blocked"])
 
@@ -164,15 +163,19 @@ class ReshardableCheckpoints:
     def abandon_async(self) -> None:
         """Leaving without publishing (an exception unwinds the loop): stop the forked writer."""
         if self._inflight is not None:
-            # Not Megatron's close(abort=True): it asks torch.distributed for the rank, and an
-            # in-process restart may already have destroyed the process group.
-            for call in self._queue.async_calls:
-                process = getattr(call.async_caller, "process", None)
-                if process is not None:
-                    process.kill()
-                    process.join()
-            self._queue = _new_queue()
+            self._drop_queue()
         self._inflight = None
+
+    def _drop_queue(self) -> None:
+        """Kill the writers still running and start a fresh queue. Not Megatron's
+        ``close(abort=True)``: it asks torch.distributed for the rank, and an in-process
+        restart may already have destroyed the process group."""
+        for call in self._queue.async_calls:
+            process = getattr(call.async_caller, "process", None)
+            if process is not None:
+                process.kill()
+                process.join()
+        self._queue = _new_queue()
 
     def _write_error(self, tmp: Path, step: int, exc: BaseException) -> str:
         free = shutil.disk_usage(tmp.parent).free
