@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.failures import Classification, FailureInfo
+from pretrain.phases import read_phases, record_of
 from tiering.fsio import atomic_write_bytes
 
 ATTEMPT_GLOB = "attempt-*.json"
@@ -138,36 +139,86 @@ def diagnose(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
             + (f" ({first['during']})" if first.get("during") else ""),
             "reports": len(reports),
         }
-    # A rank that raised on its own beats ranks that only saw their peer vanish.
-    own = [r for r in reports if not r.get("peer_lost")]
+    # Evidence in order of weight: a rank that failed on its own; ranks that sent no report at
+    # all (killed or lost: a group restart's SIGTERM or a vanished peer makes the others report);
+    # a preemption that reached the ranks; the first report of a lost peer or monitor.
+    own = [r for r in reports if not r.get("peer_lost") and r["classification"] != Classification.PREEMPTED.value]
     if own:
-        first = min(own, key=lambda r: r["time"])
-        return {
-            "rank": first["rank"],
-            "exit_code": first.get("exit_code"),
-            "exception": first.get("exception"),
-            "classification": first["classification"],
-            "evidence": f"rank {first['rank']} on {first.get('host')} reported it",
-            "reports": len(reports),
-        }
+        return _reported(min(own, key=lambda r: r["time"]), reports)
     silent = sorted(set(range(int(record.get("world_size", 0)))) - {r["rank"] for r in reports})
+    if silent:
+        return _silent(run_dir, record, silent, reports)
+    preempted = [r for r in reports if r["classification"] == Classification.PREEMPTED.value]
+    return _reported(min(preempted or reports, key=lambda r: r["time"]), reports)
+
+
+def _reported(first: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "rank": silent[0] if silent else None,
+        "rank": first["rank"],
+        "ranks": [first["rank"]],
+        "exit_code": first.get("exit_code"),
+        "exception": first.get("exception"),
+        "classification": first["classification"],
+        "evidence": f"rank {first['rank']} on {first.get('host')} reported it"
+        + (" (a lost peer or rank monitor)" if first.get("peer_lost") else ""),
+        "reports": len(reports),
+    }
+
+
+def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ranks that ended without a report; the phase each was last in, from its phase record when
+    that record belongs to this attempt (its process started after the attempt did)."""
+    phases = read_phases(run_dir)
+    started = record.get("process_started_at") or record.get("started_at") or 0
+    restart = int(record.get("launcher_restart_count", 0))
+    recs = {r: rec for r in silent if (rec := record_of(phases.get(r), restart, started))}
+    # A rank whose record says it was told to stop (SIGTERM from the launcher stopping the group)
+    # did not fail first; the ranks that died without being told did.
+    unsignalled = [r for r in silent if "signal" not in recs.get(r, {})]
+    silent = unsignalled or silent
+    return _silent_failure(silent, {r: recs[r]["phase"] for r in silent if r in recs}, record, reports)
+
+
+def _silent_failure(
+    silent: list[int], where: dict[int, str], record: dict[str, Any], reports: list[dict[str, Any]]
+) -> dict[str, Any]:
+    last = sorted(set(where.values()))
+    everyone = len(silent) == int(record.get("world_size", 0))
+    return {
+        "rank": silent[0],
+        "ranks": silent,
         "exit_code": None,
         "exception": None,
         "classification": Classification.INFRASTRUCTURE.value,
         "evidence": (
-            f"ranks {silent} ended without a report (killed, hung or lost)"
-            if silent
-            else "every rank ended without a report (the whole group was killed or lost)"
-        ),
+            "every rank ended without a report (the whole group was killed or lost)"
+            if everyone
+            else f"ranks {silent} ended without a report (killed, hung or lost)"
+        )
+        + (f" during {'/'.join(last)}" if last else ""),
+        "phases": {str(r): p for r, p in where.items()},
         "reports": len(reports),
     }
 
 
 def needs_diagnosis(record: dict[str, Any]) -> bool:
-    """Died open, or closed by a rank 0 that only saw a peer vanish."""
-    return record.get("status") == "running" or (record.get("status") == "failed" and not record.get("failure"))
+    """Died open, closed by a rank 0 that only saw a peer vanish, or preempted without its
+    emergency step (a rank may have been lost during the save)."""
+    status, failure = record.get("status"), record.get("failure")
+    if status == "preempted":
+        return not failure and record.get("emergency_published") is False
+    return status == "running" or (status == "failed" and not failure)
+
+
+def _claim_number(d: Path, number: int) -> tuple[int, Path]:
+    """The next free ``attempt-NN.json`` from ``number`` on, created empty with O_EXCL."""
+    while True:
+        path = d / f"attempt-{number:02d}.json"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return number, path
+        except FileExistsError:
+            number += 1
 
 
 class AttemptLog:
@@ -191,16 +242,9 @@ class AttemptLog:
         self.previous = existing[-1] if existing else None
         if self.previous is not None and needs_diagnosis(self.previous):
             self._close_dead(self.previous)
+        existing += self._record_unrecorded(d, existing, world_size, restarts)
         self.history = existing
-        number = len(existing) + 1
-        while True:
-            path = d / f"attempt-{number:02d}.json"
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.close(fd)
-                break
-            except FileExistsError:
-                number += 1
+        number, path = _claim_number(d, len(existing) + 1)
         self.path = path
         self.record = {
             "attempt": number,
@@ -223,10 +267,58 @@ class AttemptLog:
         }
         self._flush()
 
+    def _record_unrecorded(
+        self, d: Path, existing: list[dict[str, Any]], world_size: int, restarts: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Attempts of this launcher that died before rank 0 wrote their record (killed during
+        start-up or rendezvous): one record each, from the phase records their ranks left."""
+        prev = existing[-1] if existing else None
+        mine = int(restarts.get("launcher_restart_count", 0))
+        if prev is not None and prev.get("launcher_run_id") != restarts.get("launcher_run_id"):
+            return []
+        first = int(prev.get("launcher_restart_count", 0)) + 1 if prev is not None else 0
+        since = float(prev.get("started_at", 0)) if prev is not None else 0.0
+        phases = read_phases(self.run_dir)
+        out = []
+        for restart in range(first, mine):
+            recs = {r: rec for r in range(world_size) if (rec := record_of(phases.get(r), restart, since))}
+            dead = [r for r in sorted(recs) if "signal" not in recs[r]] or sorted(recs)
+            number, path = _claim_number(d, len(existing) + len(out) + 1)
+            record = {
+                "attempt": number,
+                "id": f"restart-{restart}-unrecorded",
+                "status": "failed",
+                "world_size": world_size,
+                "launcher_restart_count": restart,
+                "launcher_run_id": restarts.get("launcher_run_id"),
+                "started_at": min((rec["time"] for rec in recs.values()), default=since),
+                "ended_at": max((rec["time"] for rec in recs.values()), default=since),
+                "restored": None,
+                "last_step": None,
+                "closed_by_next_attempt": True,
+                "failure": _silent_failure(dead, {r: recs[r]["phase"] for r in dead}, {"world_size": world_size}, [])
+                if dead
+                else {
+                    "rank": None,
+                    "ranks": [],
+                    "classification": Classification.INFRASTRUCTURE.value,
+                    "evidence": "the attempt died before any rank left a record",
+                    "exception": None,
+                },
+            }
+            write_json_atomic(path, record)
+            out.append(record)
+        return out
+
     def _close_dead(self, prev: dict[str, Any]) -> None:
         last_step, last_time = _last_progress(self.run_dir, prev["id"])
-        prev["status"] = "failed"
-        prev["failure"] = diagnose(self.run_dir, prev)
+        failure = diagnose(self.run_dir, prev)
+        if prev.get("status") == "preempted":
+            if failure.get("classification") == Classification.PREEMPTED.value:
+                return  # every rank reported the preemption: nothing was lost
+        else:
+            prev["status"] = "failed"
+        prev["failure"] = failure
         if last_step is not None:
             prev["last_step"] = last_step
         # the last sign of life: its last finished step (or its own end, if it recorded one)

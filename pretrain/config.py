@@ -169,6 +169,9 @@ class CheckpointConfig:
     # A save that fails (writer died, disk full, ...): log it and train on, or stop the job.
     on_save_error: Literal["continue", "stop"] = "continue"
     load: bool = True
+    # With no step that every rank can obtain, a run that has committed steps somewhere (own copies,
+    # replicas, the reshardable tier, S3) refuses to start from step 0 unless this is true.
+    allow_fresh_start: bool = False
 
 
 @dataclass
@@ -201,6 +204,11 @@ class FaultInjectionConfig:
     raise_at_step: int = -1
     # After restoring this step, overwrite a weight with NaN (a checkpoint that verifies but is poisoned).
     poison_restored_step: int = -1
+    # Hold every rank for hold_seconds when it enters a phase of an attempt ("RESTART:PHASE", comma
+    # separated, RESTART = the launcher's restart count): a window wide enough for a fault injected
+    # from outside the job (tests, drills) to land inside that phase. Phases: pretrain.phases.PHASES.
+    hold_at: str | None = None
+    hold_seconds: float = 0.0
 
 
 @dataclass
@@ -563,6 +571,12 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
     except ValueError as exc:
         fail("fault_tolerance.preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
     inj = ft.inject
+    try:
+        from pretrain.phases import parse_holds
+
+        parse_holds(inj.hold_at)
+    except ValueError as exc:
+        fail("fault_tolerance.inject.hold_at", str(exc), "write RESTART:PHASE pairs, e.g. 1:verify,2:load")
     if inj.kill_rank >= world_size:
         fail(
             "fault_tolerance.inject.kill_rank",

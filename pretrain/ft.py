@@ -35,6 +35,8 @@ def restart_counters() -> dict[str, object]:
     """Every restart counter the environment knows, for the attempt record."""
     env = os.environ
     out: dict[str, object] = {"launcher_restart_count": launcher_restart_count()}
+    if env.get("TORCHELASTIC_RUN_ID"):
+        out["launcher_run_id"] = env["TORCHELASTIC_RUN_ID"]
     if env.get("SLURM_JOB_ID"):
         out["slurm_job_id"] = env["SLURM_JOB_ID"]
         out["slurm_restart_count"] = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -59,6 +61,7 @@ class RankMonitor:
         self.calculate_after = cfg.fault_tolerance.calculate_timeouts_after
         self.calculated = False
         self._open: set[str] = set()
+        self.wedged = False  # the launcher's rank monitor refused this rank (see _first_message)
         # Set by the trainer: true once a preemption signal arrived. Slurm and Kubernetes signal
         # every process, so NVRx's rank monitor may die before this rank reaches its emergency save.
         self.leaving: Callable[[], bool] = lambda: False
@@ -67,7 +70,40 @@ class RankMonitor:
 
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
-            log.info("ft_launcher rank monitor connected: heartbeats and sections on")
+            self._first_message()
+            if self.client is not None:
+                log.info("ft_launcher rank monitor connected: heartbeats and sections on")
+
+    def _first_message(self) -> None:
+        """Tell the rank monitor at once that this rank is alive: a heartbeat-free message.
+
+        NVRx 0.4.1's rank monitor outlives the worker group (launcher.py ``setup_rank_monitors``
+        starts one per local rank once) and its state machine (rank_monitor_state_machine.py) moves
+        to HANDLING_START when a rank's connection is lost, back to HANDLING_COMPLETED only on the
+        next heartbeat or section message (``_handle_msg``), and to the terminal ABORTED state when a
+        connection is lost again before such a message (``handle_ipc_connection_lost``). A rank
+        killed during start-up or restore, i.e. before its first heartbeat, therefore wedged its
+        monitor: every later rank on it failed its first heartbeat with "Unexpected reply: None".
+        A CLOSE_ALL section message is valid with or without configured sections, changes no
+        timeout (``_handle_section_msg``) and completes the monitor's restart handling, shrinking
+        the window from the whole restore to the microseconds between two messages.
+
+        If the monitor is already wedged (an earlier rank died inside that window), this rank goes
+        on without it: peers' monitors still see a hang (it blocks their collectives), and a
+        monitor that can never accept a message again must not turn every restart into a failure.
+        """
+        try:
+            self.client.end_all_sections()
+        except Exception as exc:  # noqa: BLE001 - RankMonitorClientError, whatever NVRx wraps
+            log.error(
+                "rank monitor of local rank %s is unusable (NVRx 0.4.1 ABORTED state after a rank died "
+                "before its first message: %s); this rank continues without heartbeats, its peers' "
+                "monitors still detect a hang; fix: restart the launcher of this node when convenient",
+                os.environ.get("LOCAL_RANK", "?"),
+                exc,
+            )
+            self.wedged = True
+            self.client = None
 
     @property
     def active(self) -> bool:

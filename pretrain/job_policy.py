@@ -2,9 +2,12 @@
 
 * A deterministic failure (classification ``user`` or ``data``) is retried once; when the next
   attempt fails with the same signature it is *confirmed* and the job stops.
-* ``fault_tolerance.max_consecutive_failures_without_progress`` attempts in a row that failed
-  without committing a step newer than the one they restored stop the job too: restarting from the
-  same point again would only repeat them.
+* ``fault_tolerance.max_consecutive_failures_without_progress`` attempts in a row that failed the
+  same way (same classification and failure, at the same last step) without committing a step
+  newer than the one they restored stop the job too: restarting from the same point again would
+  only repeat them. Failures that differ (a rank killed while restoring, then another during the
+  first steps) are faults from outside, not the code repeating itself: the launcher's restart
+  budget bounds them, and a run with an intact checkpoint is never stopped for them.
 
 Stopping writes ``attempts/STOP.json`` (the durable decision: ``pretrain launch`` refuses to start
 while it exists, so Slurm requeues and pod restarts do not loop either) and ends the local
@@ -88,12 +91,27 @@ def _progressed(rec: dict[str, Any]) -> bool:
     return saved > restored
 
 
+def _failure_point(rec: dict[str, Any]) -> tuple[Any, ...]:
+    """What must match for two failed attempts to count as the same failure repeating."""
+    failure = rec.get("failure") or {}
+    return (
+        failure.get("classification"),
+        tuple(failure.get("ranks") or [failure.get("rank")]),
+        failure.get("exception") or failure.get("evidence"),
+        rec.get("last_step"),
+    )
+
+
 def failures_without_progress(history: list[dict[str, Any]]) -> int:
-    """Trailing attempts that failed (not preempted) without committing a step past their restore."""
-    count = 0
+    """Trailing attempts that failed (not preempted) the same way without committing a step past
+    their restore."""
+    count, point = 0, None
     for rec in reversed(history):
         if rec.get("status") != "failed" or _progressed(rec):
             break
+        if point is not None and _failure_point(rec) != point:
+            break
+        point = _failure_point(rec)
         count += 1
     return count
 

@@ -39,8 +39,15 @@ def parse_signals(names: str) -> list[signal.Signals]:
 class PreemptionWatch:
     """Installs the handlers; ``requested`` turns true at the first signal and stays true."""
 
-    def __init__(self, signals: list[signal.Signals], timeout_s: float, on_deadline: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        signals: list[signal.Signals],
+        timeout_s: float,
+        on_deadline: Callable[[str], None],
+        on_signal: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.timeout_s = timeout_s
+        self._on_signal = on_signal  # e.g. mark this rank's phase record
         self.signal_name: str | None = None
         self.deadline: float | None = None  # time.monotonic() by which the emergency save must be published
         self._on_deadline = on_deadline
@@ -59,6 +66,7 @@ class PreemptionWatch:
             return
         self.signal_name = signal.Signals(signum).name
         self.deadline = time.monotonic() + self.timeout_s
+        self._on_signal(self.signal_name)
         threading.Thread(target=self._watchdog, name="preemption-deadline", daemon=True).start()
 
     def _watchdog(self) -> None:

@@ -39,6 +39,7 @@ from pretrain.job_policy import (
     write_stop,
 )
 from pretrain.metrics import TrainingMetrics
+from pretrain.phases import PhaseRecord, parse_holds
 from pretrain.preemption import PreemptionWatch, parse_signals
 from pretrain.runlog import RunLog, append_jsonl, run_dir
 
@@ -74,13 +75,17 @@ def train(cfg: Config) -> RunSummary:
     cuda = torch.cuda.is_available()
     validate(cfg, world, cuda)  # before any process group exists
     cpu_shims.install()
+    inj = cfg.fault_tolerance.inject
+    phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, parse_holds(inj.hold_at), inj.hold_seconds)
+    phases.mark_signals_until_replaced()
+    phases.enter("startup")
 
     if cfg.fault_tolerance.inprocess.enabled:
         from pretrain.inprocess import run_inprocess
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29555")
-        return run_inprocess(cfg, lambda: _train_in_group(cfg, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)))
+        return run_inprocess(cfg, lambda: _train_in_group(cfg, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), phases))
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # a plain single-process run
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -88,9 +93,10 @@ def train(cfg: Config) -> RunSummary:
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        phases.enter("rendezvous")
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
     try:
-        return _train_in_group(cfg, rank, world)
+        return _train_in_group(cfg, rank, world, phases)
     finally:
         from megatron.core import parallel_state
 
@@ -115,9 +121,10 @@ class Session:
     ckpt: Any  # pretrain.checkpointing.tiered.TieredCheckpointer
     runlog: RunLog
     monitor: RankMonitor
+    phases: PhaseRecord | None = None
 
 
-def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
+def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: PhaseRecord | None = None) -> Session:
     """Parallel state, data, model, optimizer, scheduler and checkpoint manager (no restore yet)."""
     # Imports that pull in Megatron come after validation so that bad configs fail fast.
     from megatron.core import parallel_state
@@ -134,6 +141,8 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
 
     monitor = RankMonitor(cfg)
     monitor.start("setup")  # ends once the restore is done
+    if phases is not None:
+        phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)
     p = cfg.parallel
     if not parallel_state.model_parallel_is_initialized():
         ipc = cfg.fault_tolerance.inprocess
@@ -193,8 +202,10 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str) -> Session:
         launcher_restart_count=launcher_restart_count(),
         host=os.uname().nodename,
     )
-    ckpt = TieredCheckpointer(cfg, coll, attempt, topology, record_event=runlog.event)
-    return Session(cfg, rank, world, attempt, ddp, dataset, state, ckpt, runlog, monitor)
+    if monitor.wedged:
+        runlog.event("rank_monitor_wedged", force=True, rank=rank, host=os.uname().nodename)
+    ckpt = TieredCheckpointer(cfg, coll, attempt, topology, record_event=runlog.event, phases=phases)
+    return Session(cfg, rank, world, attempt, ddp, dataset, state, ckpt, runlog, monitor, phases)
 
 
 def restore_latest(session: Session) -> Any:
@@ -238,10 +249,11 @@ class AttemptContext:
     watch: PreemptionWatch
     metrics: TrainingMetrics
     previous_failure: dict[str, Any] | None
+    phases: PhaseRecord | None = None
     on_abort: list[Callable[[], None]] = field(default_factory=list)
 
 
-def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
+def _train_in_group(cfg: Config, rank: int, world: int, phases: PhaseRecord | None = None) -> RunSummary:
     """One attempt: open its record, decide whether it may run, run it, leave evidence of its end."""
     from pretrain.metrics import MetricsServer
     from tiering.collective import TorchCollective
@@ -288,7 +300,12 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
         record_failure(rdir, attempt, rank, classify(PreemptedError(message)))
         records.end("preempted", None, emergency=message)
 
-    watch = PreemptionWatch(parse_signals(ft.preemption_signals), ft.emergency_save_timeout, deadline_passed)
+    watch = PreemptionWatch(
+        parse_signals(ft.preemption_signals),
+        ft.emergency_save_timeout,
+        deadline_passed,
+        on_signal=phases.mark_signal if phases is not None else lambda name: None,
+    )
     metrics = TrainingMetrics(cfg.run.id)
     server = None
     if rank == 0:
@@ -300,7 +317,7 @@ def _train_in_group(cfg: Config, rank: int, world: int) -> RunSummary:
                 log.warning(
                     "metrics: cannot serve on %s:%d (%s); continuing without", cfg.metrics.host, cfg.metrics.port, exc
                 )
-    ctx = AttemptContext(attempt, rdir, records, watch, metrics, previous_failure)
+    ctx = AttemptContext(attempt, rdir, records, watch, metrics, previous_failure, phases)
     try:
         return _run_attempt(cfg, rank, world, ctx)
     except JobStopped:
@@ -337,7 +354,7 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     from tiering.errors import PublishError
 
     attempts, watch, metrics = ctx.records, ctx.watch, ctx.metrics
-    session = build_session(cfg, rank, world, ctx.id)
+    session = build_session(cfg, rank, world, ctx.id, ctx.phases)
     monitor = session.monitor
     monitor.leaving = lambda: watch.requested
     for tier in session.ckpt.background_tiers():
@@ -351,6 +368,8 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     if restored is not None:
         metrics.loaded(restored.tier, restored.seconds)
         maybe_poison_restored(cfg, restored.step, session.state.model)
+    if ctx.phases is not None:
+        ctx.phases.enter("first_steps", restored=restored.step if restored else None)
     if monitor.load_state_dict(session.state.extra.get("ft", {})):
         session.runlog.event("ft_timeouts", source="checkpoint", timeouts=session.state.extra["ft"])
     monitor.end("setup")
@@ -401,6 +420,8 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
         if cfg.fault_tolerance.check_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             _non_finite(session, restored, step, loss, grad_norm)
         if step == first_step:
+            if ctx.phases is not None:
+                ctx.phases.enter("training", first_step=step)
             attempts.first_step(step)
             metrics.recovered(attempts.record.get("lost_steps"), attempts.record.get("rto_seconds"))
         window_steps += 1
@@ -558,6 +579,8 @@ def _leave_on_preemption(session: Session, attempts: AttemptLog, watch: Preempti
         outcome = f"step {step} was just saved in tier 1"
     else:
         session.monitor.start("checkpointing")
+        if session.phases is not None:
+            session.phases.enter("emergency_save", step=step)
         try:
             saved = local.save(session.state, deadline=watch.deadline)
             published = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,10 @@ class PeerRecovery:
         topology: dict[str, int],
         keep: int,
         attempt: str,
+        on_phase: Callable[[str], None] = lambda phase: None,
     ) -> None:
+        # Told "verify" and "transfer" as this rank enters them (the caller's progress record).
+        self.on_phase = on_phase
         self.run_id = run_id
         self.rank = rank
         self.world = world
@@ -170,6 +174,7 @@ class PeerRecovery:
                 verifier = owner if node == nodes[owner] else serving[node]
                 if verifier != self.rank:
                     continue
+                self.on_phase("verify")
                 store = self._store((kind, owner))
                 try:
                     store.verify(step)
@@ -202,6 +207,8 @@ class PeerRecovery:
                 outgoing[owner] = StepPayload.from_step_dir(self._store((kind, owner)).step_path(step), header)
         node, kind = plan[self.rank]
         incoming = [serving[node]] if node != self.node else []
+        if outgoing or incoming:
+            self.on_phase("transfer")
         received, errors = self.transport.exchange(outgoing, incoming)
         error = None
         path: Path | None = None

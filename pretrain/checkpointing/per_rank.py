@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -31,12 +32,13 @@ from pretrain.checkpointing.state import (
 )
 from pretrain.config import Config, ConfigError
 from pretrain.ft import launcher_restart_count
+from pretrain.phases import PhaseRecord
 from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.errors import PublishError
 from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
-from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore
+from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
 from tiering.publish import PosixStepPublisher
 from tiering.replication import PeerReplicator, primary_store, replica_store
@@ -63,8 +65,10 @@ class PerRankCheckpoints:
         topology: dict[str, int],
         replication_group: Any,
         record_event: Any = None,
+        phases: PhaseRecord | None = None,
     ) -> None:
         self.cfg = cfg
+        self.phases = phases
         self.coll = coll
         self.rank = coll.rank
         self.world = coll.world_size
@@ -84,8 +88,10 @@ class PerRankCheckpoints:
         self._keep_host_copy = ipc.enabled and ipc.keep_host_copy  # for in-process restarts
         rep = cfg.checkpoint.replication
         self.node = node_name(rep.node)
-        pairs = coll.all_gather((self.node, failure_domain(self.node, rep.domains)))
-        self.identities = [RankIdentity(r, n, d) for r, (n, d) in enumerate(pairs)]
+        launcher = (os.environ.get("GROUP_RANK", "0"), socket.gethostname())
+        rows = coll.all_gather((self.node, failure_domain(self.node, rep.domains), launcher))
+        _refuse_shared_node_names(cfg, [(node, launcher) for node, _, launcher in rows])
+        self.identities = [RankIdentity(r, n, d) for r, (n, d, _) in enumerate(rows)]
         try:
             self.holders = replica_holders(self.identities, rep.factor, rep.allow_same_domain)
         except PlacementError as exc:
@@ -103,7 +109,17 @@ class PerRankCheckpoints:
             before_accept=self._maybe_die_while_receiving,
         )
         self.recovery = PeerRecovery(
-            self.run_id, self.rank, self.world, self.node, self.node_root, coll, transport, topology, self.keep, attempt
+            self.run_id,
+            self.rank,
+            self.world,
+            self.node,
+            self.node_root,
+            coll,
+            transport,
+            topology,
+            self.keep,
+            attempt,
+            on_phase=phases.enter if phases is not None else lambda phase: None,
         )
         if self.rank == 0:
             log.info(
@@ -375,11 +391,29 @@ class PerRankCheckpoints:
             os.kill(os.getpid(), signal.SIGKILL)
 
     # -- restore ---------------------------------------------------------------------------------
+    def committed_inventory(self) -> list[str]:
+        """Committed tier 1-2 steps on this rank's node, every owner's primaries and replicas (any
+        topology), one ``node:path steps [...]`` line per store: what a fresh start would abandon."""
+        out = []
+        for sub, make in (("ranks", primary_store), ("replicas", replica_store)):
+            base = self.node_root / sub
+            for owner_dir in sorted(base.iterdir()) if base.is_dir() else []:
+                owner = owner_of(owner_dir)
+                if owner is None:
+                    continue
+                store = make(self.node_root, owner, self.run_id, self.keep)
+                steps = store.committed_steps()
+                if steps:
+                    out.append(f"{self.node}:{store.layout.run_dir} steps {steps}")
+        return out
+
     def plan_restore(self) -> PeerPlanResult:
         """Collective: find (and fetch, if needed) the newest step every rank can obtain."""
         return self.recovery.recover()
 
     def load(self, restore: PeerRestore, state: TrainingState) -> None:
+        if self.phases is not None:
+            self.phases.enter("load")
         payload = torch.load(restore.path / STATE_FILE, map_location="cpu", weights_only=True)
         apply_trainer_state(state, payload["trainer"], restore.path / STATE_FILE)
         state.model.load_state_dict(payload["model"], strict=True)
@@ -405,6 +439,21 @@ class PerRankCheckpoints:
 
     def step_bytes(self, step: int) -> int:
         return dir_size(self.store.step_path(step))
+
+
+def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]]]) -> None:
+    """Ranks of different launchers (nodes) must not report the same node name: replicas would be
+    placed, and a lost node's copies looked for, on the wrong node (restores found no step)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for node, launcher in rows:
+        other = seen.setdefault(node, launcher)
+        if other[0] != launcher[0]:
+            raise ConfigError(
+                f"{cfg.source}: node {other[0]} (host {other[1]}) and node {launcher[0]} (host {launcher[1]}) both "
+                f"report node name {node!r}; fix: set NODE_NAME to a unique name per node (Kubernetes: the "
+                "downward API's spec.nodeName; Slurm: SLURMD_NODENAME is set per node) or leave "
+                "checkpoint.replication.node unset"
+            )
 
 
 class _PublishInFlight:

@@ -37,6 +37,7 @@ from pretrain.checkpointing.state import (
     trainer_state,
 )
 from pretrain.config import Config
+from pretrain.phases import PhaseRecord
 from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective
 from tiering.local import LocalTier
@@ -52,9 +53,16 @@ class ReshardableCheckpoints:
     name = "reshardable"
 
     def __init__(
-        self, cfg: Config, coll: Collective, attempt: str, directory: str | None = None, record_event: Any = None
+        self,
+        cfg: Config,
+        coll: Collective,
+        attempt: str,
+        directory: str | None = None,
+        record_event: Any = None,
+        phases: PhaseRecord | None = None,
     ) -> None:
         self.cfg = cfg
+        self.phases = phases
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
         self.tier = LocalTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
@@ -226,6 +234,8 @@ class ReshardableCheckpoints:
         """Collective: load the newest verified step newer than ``newer_than`` into ``state``; None
         if there is none (rejections are appended to ``rejected`` when given)."""
         t0 = time.perf_counter()
+        if self.phases is not None:
+            self.phases.enter("verify")
         selection = select_newest_verified(self.tier, self.coll, newer_than, rejected)
         verify_s = time.perf_counter() - t0
         if selection is None:
@@ -234,6 +244,8 @@ class ReshardableCheckpoints:
         # Shared staging: the uploader's or an operator's retention must not delete it under us.
         pin = self.tier.pin(selection.step, "restore") if self.coll.rank == 0 else None
         try:
+            if self.phases is not None:
+                self.phases.enter("load")
             trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
             apply_trainer_state(state, trainer, path / "trainer.pt")
             model_sd = state.model.sharded_state_dict()

@@ -15,6 +15,8 @@ from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
 from pretrain.config import Config
+from pretrain.errors import FreshStartRefused
+from pretrain.phases import PhaseRecord
 from pretrain.runlog import run_dir
 from tiering.collective import Collective
 from tiering.fsio import atomic_write_bytes
@@ -24,8 +26,16 @@ log = logging.getLogger(__name__)
 
 class TieredCheckpointer:
     def __init__(
-        self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int], record_event: Any = None
+        self,
+        cfg: Config,
+        coll: Collective,
+        attempt: str,
+        topology: dict[str, int],
+        record_event: Any = None,
+        phases: PhaseRecord | None = None,
     ) -> None:
+        self.phases = phases
+        self._unusable: list[str] = []  # why copies found during the last restore could not be used
         self.cfg = cfg
         self.coll = coll
         self.local: PerRankCheckpoints | None = None
@@ -39,9 +49,9 @@ class TieredCheckpointer:
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=cfg.checkpoint.replication.timeout_s)
             )
-            self.local = PerRankCheckpoints(cfg, coll, attempt, topology, group, record_event)
+            self.local = PerRankCheckpoints(cfg, coll, attempt, topology, group, record_event, phases)
         if cfg.checkpoint.reshardable.enabled:
-            self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event)
+            self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event, phases=phases)
 
     def _open_remote(self) -> Any:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
@@ -152,9 +162,42 @@ class TieredCheckpointer:
     def restore(self, state: TrainingState) -> RestoreResult | None:
         """Collective. Newest verified step wins (at equal steps the faster tier); steps newer than
         it in tiers 1-2 and staging are then superseded (see :meth:`_supersede_newer`)."""
+        self._unusable: list[str] = []
         result = self._restore(state)
+        if result is None and not self.cfg.checkpoint.allow_fresh_start:
+            self._refuse_fresh_start()  # before superseding: it would quarantine what it names
         self._supersede_newer(result.step if result is not None else 0)
         return result
+
+    def _refuse_fresh_start(self) -> None:
+        """Collective: raise FreshStartRefused on every rank if any tier holds committed steps of
+        this run although no step could be obtained by every rank."""
+        where = self.local.committed_inventory() if self.local is not None else []
+        if self.coll.rank == 0 and self.reshardable is not None:
+            steps = self.reshardable.tier.committed_steps()
+            if steps:
+                where.append(f"reshardable {self.reshardable.tier.layout.run_dir} steps {steps}")
+        if self.coll.rank == 0 and self.remote is not None:
+            from tiering.objectstore import ObjectStoreError  # boto3: only when the S3 tier is on
+
+            try:
+                steps = self.remote.committed_steps()
+            except ObjectStoreError as exc:
+                steps = []
+                self._unusable.append(f"S3 unreachable ({exc})")
+            if steps:
+                where.append(f"{self.remote.where(self.remote.base)} steps {steps}")
+        found = sorted({w for part in self.coll.all_gather(where) for w in part})
+        why = [w for part in self.coll.all_gather(self._unusable) for w in part]
+        if not found:
+            return
+        shown = "; ".join(found[:6]) + (f"; and {len(found) - 6} more" if len(found) > 6 else "")
+        reason = why[0] if why else "no step has a copy for every rank (a node or volume is missing)"
+        raise FreshStartRefused(
+            f"run {self.cfg.run.id} has committed checkpoints but no step can be obtained by every rank: {shown}; "
+            f"why: {reason}; fix: bring back the node, volume or S3 prefix that holds the missing copies, or set "
+            "checkpoint.allow_fresh_start=true to start this run from step 0"
+        )
 
     def _supersede_newer(self, step: int) -> None:
         """Steps newer than the one the run resumes from belong to an abandoned timeline (they did not
@@ -183,8 +226,11 @@ class TieredCheckpointer:
                 f"tier 1-2 copies saved at another topology are not loadable here, using the reshardable "
                 f"tier: {plan.skipped_topology[0]}"
             )
+            self._unusable.append(f"saved at another topology: {plan.skipped_topology[0]}")
             if self.coll.rank == 0:
                 log.warning(notes[-1])
+        if plan is not None:
+            self._unusable.extend(plan.rejected)
         peer = plan.restore if plan is not None else None
         newest_reshardable = self.reshardable.newest_committed() if self.reshardable is not None else None
         from_s3 = self._fetch_from_s3(max(peer.step if peer else -1, newest_reshardable or -1), notes)
@@ -197,6 +243,7 @@ class TieredCheckpointer:
             # Only a step newer than the tier 1-2 one is worth a reshardable load; at equal steps
             # the per-rank copy is faster and carries every rank's exact state.
             result = self.reshardable.restore(state, newer_than=peer.step if peer else -1, rejected=rejected)
+            self._unusable.extend(reason for _, reason in rejected)
             if result is not None:
                 result.notes = notes
                 if from_s3 is not None and result.step == from_s3:

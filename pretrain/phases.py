@@ -1,0 +1,156 @@
+"""Where each rank is in its attempt: one small record per rank, replaced at every phase change.
+
+``<run.dir>/<run.id>/ranks/rank-NNNNN.json`` holds ``{phase, restart, pid, host, time}`` and is
+replaced atomically each time the rank enters a phase of start-up or recovery. Operators read it
+(``pretrain status``) to see where a stuck or failing recovery is; the next attempt's diagnosis
+names the phase a silent rank died in; drills and tests read it to inject a fault from outside the
+job at a chosen phase. Writes are a few per attempt (never per step) and never raise: a record
+that cannot be written must not fail the rank.
+
+The optional hold (``fault_tolerance.inject.hold_at``) keeps a rank in a phase for
+``hold_seconds`` so that an outside fault can land inside a phase that is otherwise milliseconds long.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tiering.fsio import atomic_write_bytes
+
+# In the order an attempt goes through them.
+PHASES = (
+    "startup",  # the rank program started (imports done), no process group yet
+    "rendezvous",  # creating the process group
+    "monitor",  # connected to the NVRx rank monitor
+    "verify",  # verifying tier 1-2 copies of the step to restore
+    "transfer",  # sending or receiving a replica for a restore
+    "load",  # loading verified bytes into the model and optimizer
+    "first_steps",  # restored, before the first step (the poison window starts)
+    "training",  # the first step after start-up finished
+    "emergency_save",  # a preemption signal arrived: publishing the emergency tier-1 step
+)
+
+
+def ranks_dir(run_dir: Path) -> Path:
+    return run_dir / "ranks"
+
+
+def parse_holds(spec: str | None) -> set[tuple[int, str]]:
+    """``"1:verify,2:load"`` -> {(1, "verify"), (2, "load")}; raises ValueError naming a bad item."""
+    out: set[tuple[int, str]] = set()
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        restart, _, phase = item.partition(":")
+        if not restart.strip().isdigit() or phase.strip() not in PHASES:
+            raise ValueError(f"{item!r} is not RESTART:PHASE with PHASE one of {', '.join(PHASES)}")
+        out.add((int(restart), phase.strip()))
+    return out
+
+
+def restart_count() -> int:
+    """The launcher's restart count of this worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class PhaseRecord:
+    """This rank's phase record (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, rank: int, holds: set[tuple[int, str]], hold_seconds: float) -> None:
+        self.path = ranks_dir(run_dir) / f"rank-{rank:05d}.json"
+        self.rank = rank
+        self.restart = restart_count()
+        self.holds = holds
+        self.hold_seconds = hold_seconds
+        self.phase: str | None = None
+        self.previous: dict[str, Any] | None = None  # the last record of the process before this one
+        self._read_previous = False
+        self._record: dict[str, Any] = {}
+
+    def enter(self, phase: str, **details: Any) -> None:
+        assert phase in PHASES, phase
+        if phase == self.phase:
+            return
+        self.phase = phase
+        if not self._read_previous:
+            # The next attempt's diagnosis needs the phase a killed rank died in, and this
+            # process's first record would overwrite it: carry it along, one level deep.
+            self._read_previous = True
+            try:
+                old = json.loads(self.path.read_text(encoding="utf-8"))
+                self.previous = {k: v for k, v in old.items() if k != "previous"}
+            except (OSError, ValueError):
+                self.previous = None
+        self._record = {
+            "rank": self.rank,
+            "phase": phase,
+            "restart": self.restart,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "time": time.time(),
+            **details,
+            "previous": self.previous,
+        }
+        self._write()
+        if (self.restart, phase) in self.holds and self.hold_seconds > 0:
+            time.sleep(self.hold_seconds)  # drills: an outside fault lands inside this phase
+
+    def _write(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.path, json.dumps(self._record).encode())
+        except OSError:
+            pass
+
+    def mark_signal(self, name: str) -> None:
+        """This rank was told to stop (the launcher stopping the group after another rank failed, or
+        a preemption): the diagnosis then knows it is not the rank that failed first."""
+        if self._record:
+            self._record["signal"] = name
+            self._write()
+
+    def mark_signals_until_replaced(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
+        """Before the preemption handlers exist (start-up): mark the record, then die of the signal as
+        before. Main thread only (Python delivers signals there)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self.mark_signal(signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        for sig in signals:
+            signal.signal(sig, handler)
+
+
+def record_of(record: dict[str, Any] | None, restart: int, since: float) -> dict[str, Any] | None:
+    """A rank's last record in the attempt with launcher restart count ``restart`` that started at
+    ``since``: its current record or the one its next process carried along."""
+    for rec in (record, (record or {}).get("previous")):
+        if rec and rec.get("restart") == restart and rec.get("time", 0) >= since - 5:
+            return rec
+    return None
+
+
+def read_phases(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's last phase record, by rank (unreadable files are skipped: they are being replaced)."""
+    out: dict[int, dict[str, Any]] = {}
+    base = ranks_dir(run_dir)
+    if not base.is_dir():
+        return out
+    for path in sorted(base.glob("rank-*.json")):
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        out[int(rec["rank"])] = rec
+    return out
