@@ -170,8 +170,7 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
     that record belongs to this attempt (its process started after the attempt did)."""
     phases = read_phases(run_dir)
     started = record.get("process_started_at") or record.get("started_at") or 0
-    restart = int(record.get("launcher_restart_count", 0))
-    recs = {r: rec for r in silent if (rec := record_of(phases.get(r), restart, started))}
+    recs = {r: rec for r in silent if (rec := record_of(phases.get(r), started, attempt=record.get("id")))}
     # A rank whose record says it was told to stop (SIGTERM from the launcher stopping the group)
     # did not fail first; the ranks that died without being told did.
     unsignalled = [r for r in silent if "signal" not in recs.get(r, {})]
@@ -281,7 +280,7 @@ class AttemptLog:
         phases = read_phases(self.run_dir)
         out = []
         for restart in range(first, mine):
-            recs = {r: rec for r in range(world_size) if (rec := record_of(phases.get(r), restart, since))}
+            recs = {r: rec for r in range(world_size) if (rec := record_of(phases.get(r), since, restart=restart))}
             dead = [r for r in sorted(recs) if "signal" not in recs[r]] or sorted(recs)
             number, path = _claim_number(d, len(existing) + len(out) + 1)
             record = {
@@ -330,7 +329,8 @@ class AttemptLog:
         if not self.enabled:
             return
         self.record["restored"] = None if step is None else {"tier": tier, "step": step, "seconds": seconds}
-        prev_last = (self.previous or {}).get("last_step")
+        # The furthest step any earlier attempt finished (the one before may have died restoring).
+        prev_last = max((r["last_step"] for r in self.history if isinstance(r.get("last_step"), int)), default=None)
         if prev_last is not None:
             self.record["lost_steps"] = max(0, prev_last - (step or 0))
         self._flush()

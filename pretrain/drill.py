@@ -1,9 +1,10 @@
 """``pretrain drill``: the seed's minimal reproducible recovery experiment, automated at CPU scale.
 
 1. an uninterrupted baseline (fixed data snapshot, seed, world size);
-2. the same run saving every 50 steps, rank 1 SIGKILLed at step 135 -> the new attempt recovers
-   step 100 (data watermark as in the manifest) and matches the baseline's loss, grad norm and LR;
-   no process of the old world survives;
+2. the same run saving every 50 steps, rank 1 SIGKILLed at step 135; rank 0 of the restarted
+   group SIGKILLed by the drill while it loads step 100 (a second fault during recovery) -> the
+   third attempt recovers step 100 (data watermark as in the manifest) and matches the baseline's
+   loss, grad norm and LR; no process of the old worlds survives;
 3. a restart after step 150 loads step 150;
 4. a step-200 copy without COMMITTED and one without a shard (own copy, its replica and the
    reshardable tier) -> all rejected, recovery from 150;
@@ -14,12 +15,15 @@ Writes ``drill-report.json``, ``drill-report.md`` and ``drill-loss.png`` under t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +34,7 @@ import yaml
 from pretrain.config import load_config
 from pretrain.demo import FT_CONFIG
 from pretrain.launch import ft_launcher_command
+from pretrain.phases import ranks_in_phase
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
 
@@ -154,16 +159,30 @@ class Drill:
                 "train.steps": 150,
                 "fault_tolerance.inject.kill_rank": 1,
                 "fault_tolerance.inject.kill_at_step": KILL_AT,
+                # the restarted group holds 2 s in "load": the drill's SIGKILL lands inside it
+                "fault_tolerance.inject.hold_at": "1:load",
+                "fault_tolerance.inject.hold_seconds": 2,
             },
         )
+        killer = _KillAtPhase(self.work / "runs" / "drill", restart=1, phase="load", ranks=[0])
+        killer.start()
         rc = self._ft_launch(cfg2, "2-kill-at-135", max_restarts=3)
+        killer.join(timeout=5)
         restores = self._restores("drill")
         got = [(r["step"], r["tier"]) for r in restores]
-        n_attempts = len(self._attempts("drill"))
+        attempts = self._attempts("drill")
         rep.check(
             "recover-from-100",
-            rc == 0 and got == [(100, "local")] and n_attempts == 2,
-            f"restores {got} in {n_attempts} attempts (one failure, one recovery), exit {rc}",
+            rc == 0 and got == [(100, "local")] and len(attempts) == 3,
+            f"restores {got} in {len(attempts)} attempts (a failure, a failure during its recovery, a recovery), "
+            f"exit {rc}",
+        )
+        second = (attempts[1].get("failure") or {}) if len(attempts) > 1 else {}
+        rep.check(
+            "recover-after-a-kill-during-recovery",
+            rc == 0 and 0 in killer.pids and second.get("phases") == {"0": "load"},
+            f"rank 0 (pid {killer.pids.get(0)}) SIGKILLed while loading step 100 in the second attempt; its record: "
+            f"{second.get('evidence')}; the third attempt restored {got[-1] if got else None}",
         )
         rep.check("no-orphans", not self._orphans(cfg2), f"leftover processes: {self._orphans(cfg2) or 'none'}")
         drill = {m["step"]: m for m in self._jsonl("drill", "metrics.jsonl")}
@@ -291,6 +310,27 @@ class Drill:
                         "status": a.get("status"),
                     }
                 )
+
+
+class _KillAtPhase(threading.Thread):
+    """SIGKILL ranks from outside the job when their phase records show them in ``phase``."""
+
+    def __init__(self, run_dir: Path, restart: int, phase: str, ranks: list[int], timeout: float = 300) -> None:
+        super().__init__(daemon=True)
+        self.args_ = (run_dir, restart, phase, ranks)
+        self.deadline = time.monotonic() + timeout
+        self.pids: dict[int, int] = {}
+
+    def run(self) -> None:
+        while time.monotonic() < self.deadline:
+            pids = ranks_in_phase(*self.args_)
+            if pids is not None:
+                for pid in pids.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                self.pids = pids
+                return
+            time.sleep(0.02)
 
 
 def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -83,7 +83,7 @@ class FailureInfo:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:400]}"
+    return f"{type(exc).__name__}: {text[:800]}"  # long enough for a one-line error with paths and fix
 
 
 def classify(exc: BaseException) -> FailureInfo:

@@ -71,6 +71,7 @@ class PhaseRecord:
         self.holds = holds
         self.hold_seconds = hold_seconds
         self.phase: str | None = None
+        self.attempt: str | None = None  # set once the group agreed on the attempt id
         self.previous: dict[str, Any] | None = None  # the last record of the process before this one
         self._read_previous = False
         self._record: dict[str, Any] = {}
@@ -93,6 +94,7 @@ class PhaseRecord:
             "rank": self.rank,
             "phase": phase,
             "restart": self.restart,
+            "attempt": self.attempt,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "time": time.time(),
@@ -132,13 +134,38 @@ class PhaseRecord:
             signal.signal(sig, handler)
 
 
-def record_of(record: dict[str, Any] | None, restart: int, since: float) -> dict[str, Any] | None:
-    """A rank's last record in the attempt with launcher restart count ``restart`` that started at
-    ``since``: its current record or the one its next process carried along."""
+def record_of(
+    record: dict[str, Any] | None, since: float, attempt: str | None = None, restart: int | None = None
+) -> dict[str, Any] | None:
+    """A rank's last record in an attempt: its current record or the one its next process carried
+    along. A recorded attempt is matched by its id (every rank learnt it before the record was
+    written); an attempt that died before it had one, by the launcher restart count and time
+    (restart counts are per launcher: on several nodes only the id identifies an attempt)."""
     for rec in (record, (record or {}).get("previous")):
-        if rec and rec.get("restart") == restart and rec.get("time", 0) >= since - 5:
+        if not rec or rec.get("time", 0) < since - 5:
+            continue
+        if attempt is not None and rec.get("attempt") == attempt:
+            return rec
+        if attempt is None and rec.get("attempt") is None and rec.get("restart") == restart:
             return rec
     return None
+
+
+def ranks_in_phase(
+    run_dir: Path, restart: int | None, phase: str, ranks: list[int], exclude_pids: frozenset[int] = frozenset()
+) -> dict[int, int] | None:
+    """{rank: pid} if every rank of ``ranks`` is now in ``phase`` of launcher restart ``restart``
+    (any restart if None; processes in ``exclude_pids`` do not count)."""
+    phases = read_phases(run_dir)
+    pids = {}
+    for rank in ranks:
+        rec = phases.get(rank)
+        if rec is None or rec.get("phase") != phase or int(rec["pid"]) in exclude_pids:
+            return None
+        if restart is not None and rec.get("restart") != restart:
+            return None
+        pids[rank] = int(rec["pid"])
+    return pids
 
 
 def read_phases(run_dir: Path) -> dict[int, dict[str, Any]]:

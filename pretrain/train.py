@@ -261,6 +261,8 @@ def _train_in_group(cfg: Config, rank: int, world: int, phases: PhaseRecord | No
     coll = TorchCollective()
     attempt = coll.broadcast(f"attempt-{launcher_restart_count():02d}-{uuid.uuid4().hex[:8]}")
     hosts = coll.all_gather(socket.gethostname())
+    if phases is not None:
+        phases.attempt = attempt
     rdir = run_dir(cfg.run.dir, cfg.run.id)
     ft = cfg.fault_tolerance
     refused = None

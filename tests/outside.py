@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.phases import read_phases
+from pretrain.phases import ranks_in_phase, read_phases
 
 
 @dataclass
 class Fault:
-    restart: int  # the launcher restart count of the attempt to hit
+    # The launcher restart count of the attempt to hit; None: the next attempt after the previous
+    # fault (its ranks are processes that did not exist then): counts differ between launchers.
+    restart: int | None
     phase: str  # the phase the target ranks must be in (pretrain.phases.PHASES)
     ranks: list[int]  # the ranks to signal
     sig: int = signal.SIGKILL
@@ -40,6 +42,7 @@ class PhaseKiller(threading.Thread):
         self.deadline = time.monotonic() + timeout
         self.error: str | None = None
         self._halt = threading.Event()
+        self.old_pids: set[int] = set()  # processes that existed at the previous fault
 
     def stop(self) -> None:
         self._halt.set()
@@ -54,13 +57,10 @@ class PhaseKiller(threading.Thread):
 
     def _ready(self, fault: Fault) -> dict[int, int] | None:
         """{rank: pid} once every target rank is in the fault's phase of its restart."""
-        phases = read_phases(self.run_dir)
-        pids = {}
-        for rank in fault.ranks:
-            rec = phases.get(rank)
-            if rec is None or rec.get("restart") != fault.restart or rec.get("phase") != fault.phase:
-                return None
-            pids[rank] = rec["pid"]
+        old = frozenset(self.old_pids) if fault.restart is None else frozenset()
+        pids = ranks_in_phase(self.run_dir, fault.restart, fault.phase, fault.ranks, old)
+        if pids is None:
+            return None
         if fault.after_step is not None and self._max_step() < fault.after_step:
             return None
         return pids
@@ -78,5 +78,6 @@ class PhaseKiller(threading.Thread):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, fault.sig)
             fault.done = {"time": time.time(), "pids": pids}
+            self.old_pids |= {int(rec["pid"]) for rec in read_phases(self.run_dir).values()}
             if fault.then is not None:
                 fault.then()

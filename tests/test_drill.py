@@ -30,6 +30,7 @@ def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
     assert names == [
         "baseline",
         "recover-from-100",
+        "recover-after-a-kill-during-recovery",
         "no-orphans",
         "data-watermark",
         "matches-baseline",

@@ -393,19 +393,18 @@ class PerRankCheckpoints:
     # -- restore ---------------------------------------------------------------------------------
     def committed_inventory(self) -> list[str]:
         """Committed tier 1-2 steps on this rank's node, every owner's primaries and replicas (any
-        topology), one ``node:path steps [...]`` line per store: what a fresh start would abandon."""
-        out = []
-        for sub, make in (("ranks", primary_store), ("replicas", replica_store)):
+        topology): ``node:root: rank 0 steps [..], replica of rank 1 steps [..]``, or nothing."""
+        held = []
+        for sub, make, what in (("ranks", primary_store, "rank"), ("replicas", replica_store, "replica of rank")):
             base = self.node_root / sub
             for owner_dir in sorted(base.iterdir()) if base.is_dir() else []:
                 owner = owner_of(owner_dir)
-                if owner is None:
-                    continue
-                store = make(self.node_root, owner, self.run_id, self.keep)
-                steps = store.committed_steps()
+                steps = (
+                    make(self.node_root, owner, self.run_id, self.keep).committed_steps() if owner is not None else []
+                )
                 if steps:
-                    out.append(f"{self.node}:{store.layout.run_dir} steps {steps}")
-        return out
+                    held.append(f"{what} {owner} steps {steps}")
+        return [f"{self.node}:{self.node_root}: {', '.join(held)}"] if held else []
 
     def plan_restore(self) -> PeerPlanResult:
         """Collective: find (and fetch, if needed) the newest step every rank can obtain."""

@@ -1,0 +1,93 @@
+"""Attempt records say what happened: a rank that reported its failure is named with its report
+(NVRx's heartbeat error included); "ended without a report" only for ranks that sent none, with
+the phase they died in; the job stops only for a failure that repeats itself."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.attempts import AttemptLog, record_failure
+from pretrain.failures import classify
+from pretrain.job_policy import failures_without_progress
+from pretrain.phases import PhaseRecord
+
+
+class RankMonitorClientError(Exception):
+    """Same name as NVRx's: classify() keys on the name (NVRx is not imported to raise it)."""
+
+
+def _begin(run_dir: Path, attempt: str, restart: int = 0, world: int = 2) -> AttemptLog:
+    log = AttemptLog(run_dir, enabled=True)
+    log.begin(attempt, world, ["vm"] * world, {"launcher_restart_count": restart, "launcher_run_id": "r"})
+    return log
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "attempts").glob("attempt-*.json"))]
+
+
+def test_ranks_that_reported_the_heartbeat_error_are_named_with_it(tmp_path: Path) -> None:
+    _begin(tmp_path, "a1")
+    error = RankMonitorClientError("RankMonitorClient could not send the heartbeat. Exception: Unexpected reply: None")
+    for rank in (1, 0):
+        record_failure(tmp_path, "a1", rank, classify(error))
+        time.sleep(0.01)
+    _begin(tmp_path, "a2", restart=1)
+    failure = _records(tmp_path)[0]["failure"]
+    assert failure["rank"] == 1 and failure["ranks"] == [1]
+    assert "Unexpected reply: None" in failure["exception"]
+    assert "without a report" not in failure["evidence"] and "reported it" in failure["evidence"]
+
+
+def test_a_silent_rank_is_named_with_the_phase_it_died_in(tmp_path: Path) -> None:
+    _begin(tmp_path, "a1")
+    survivor, victim = PhaseRecord(tmp_path, 0, set(), 0), PhaseRecord(tmp_path, 1, set(), 0)
+    for rec in (survivor, victim):
+        rec.attempt = "a1"
+        rec.enter("verify")
+    victim.enter("load")
+    survivor.mark_signal("SIGTERM")  # the launcher stopped it after rank 1 vanished
+    # The next attempt's processes overwrite the records; the dead process's last one travels along.
+    for rank in (0, 1):
+        PhaseRecord(tmp_path, rank, set(), 0).enter("startup")
+    _begin(tmp_path, "a2", restart=1)
+    failure = _records(tmp_path)[0]["failure"]
+    assert failure["ranks"] == [1] and failure["phases"] == {"1": "load"}
+    assert failure["evidence"] == "ranks [1] ended without a report (killed, hung or lost) during load"
+
+
+@pytest.mark.parametrize(
+    ("failures", "expected"),
+    [
+        # (classification, ranks, evidence, last step) of trailing failed attempts, oldest first
+        ([("infrastructure", [1], "injected SIGKILL at step 3", 2)] * 3, 3),
+        (
+            [
+                ("infrastructure", [1], "killed during load", None),
+                ("infrastructure", [1], "killed during verify", None),
+            ],
+            1,
+        ),
+        ([("user", [0], "ValueError: x", 5), ("user", [0], "ValueError: x", 5)], 2),
+        (
+            [("infrastructure", [0, 1], "whole group during load", None), ("infrastructure", [1], "during load", None)],
+            1,
+        ),
+        ([], 0),
+    ],
+)
+def test_only_the_same_failure_repeating_counts_towards_a_stop(failures: list[tuple], expected: int) -> None:
+    history = [
+        {
+            "status": "failed",
+            "restored": None,
+            "last_step": last,
+            "failure": {"classification": c, "ranks": r, "evidence": e},
+        }
+        for c, r, e, last in failures
+    ]
+    assert failures_without_progress(history) == expected
