@@ -15,7 +15,7 @@ from tiering.errors import VerificationError
 from tiering.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
 from tiering.manifest import COMMITTED_NAME, Manifest
-from tiering.retention import KeepNewest
+from tiering.retention import KeepNewest, RetentionPolicy
 from tiering.verify import read_manifest, verify_step
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class LocalTier:
         self, root: Path | str, dirname: str, keep: int = 3, *, run_id: str | None = None, name: str = "local"
     ) -> None:
         self.layout = RunLayout(Path(root), dirname)
-        self.policy = KeepNewest(keep)
+        self.policy: RetentionPolicy = KeepNewest(keep)
         self.run_id = run_id or dirname
         self.name = name
 
