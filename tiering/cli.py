@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tiering.errors import VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
-from tiering.local import LocalTier, StepStatus
+from tiering.posix import PosixTier, StepStatus
 from tiering.verify import verify_step
 
 
@@ -105,7 +105,7 @@ def _ls(args: argparse.Namespace) -> int:
         return 2
     report = []
     for run in runs:
-        tier = LocalTier(run.parent, run.name)
+        tier = PosixTier(run.parent, run.name)
         rows: list[StepStatus] = tier.status(verify=not args.no_verify)
         pending = sorted(p.name for p in tier.layout.steps_dir.iterdir() if parse_tmp_name(p.name))
         quarantined = (
@@ -201,7 +201,7 @@ def _upload(args: argparse.Namespace) -> int:
     from tiering.uploader import Backoff, Uploader
 
     cfg, remote = _remote_from_config(args)
-    staging = LocalTier(cfg.checkpoint.reshardable.dir, cfg.run.id, cfg.checkpoint.reshardable.keep, name="reshardable")
+    staging = PosixTier(cfg.checkpoint.reshardable.dir, cfg.run.id, cfg.checkpoint.reshardable.keep, name="reshardable")
     uploader = Uploader(remote, staging, s3_owner(cfg))
     try:
         if args.watch:
@@ -237,7 +237,7 @@ def _restore(args: argparse.Namespace) -> int:
     remote = RemoteTier(store, prefix, args.run_id)
     layout = RunLayout(Path(args.to), args.run_id)
     soft = 0 if args.allow_none else 1
-    local = LocalTier(Path(args.to), args.run_id)
+    local = PosixTier(Path(args.to), args.run_id)
     local_best = next((s for s in local.committed_steps() if _verifies(layout.step_dir(s))), None)
     try:
         remote_steps = remote.committed_steps()

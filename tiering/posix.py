@@ -1,4 +1,8 @@
-"""Tier 1: steps on node-local storage (or any POSIX directory) under the publish protocol."""
+"""Steps in a POSIX directory under the publish protocol: listing, verification, quarantine, pins, retention.
+
+One class serves every file-system tier: the node-local per-rank primaries (tier 1), the replicas
+peers hold (tier 2), and the shared reshardable staging tier that feeds the object store.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ class StepStatus:
     reason: str = ""
 
 
-class LocalTier:
-    """Published steps under ``<root>/<dirname>/steps``.
+class PosixTier:
+    """Published steps under ``<root>/<dirname>/steps`` on any POSIX file system.
 
     ``dirname`` is the run id for a whole-run store (the reshardable tier), or ``rank-NNNNN`` for
     a per-rank primary or replica store; ``run_id`` (default: ``dirname``) is what manifests
