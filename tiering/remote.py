@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.errors import CheckpointError, VerificationError
-from tiering.fsio import fsync_dir, fsync_tree
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed
-from tiering.publish import write_latest
+from tiering.publish import publish_dir
 from tiering.retention import ObjectStoreRetention, StepView
 from tiering.verify import committed_marker, verify_step
 
@@ -236,13 +234,12 @@ class RemoteTier:
                     exc.reason,
                     "the step is skipped; an older verified step is used",
                 ) from exc
-            fsync_tree(tmp)
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
+            # The same publish as a local save: fsync, atomic rename, COMMITTED (rewritten with the
+            # bytes written above for verification), then latest.json.
+            publish_dir(layout, tmp, step, raw)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        write_latest(layout, step)
         return final
 
     def restore_newest(
