@@ -15,9 +15,12 @@ verifies every byte against the manifest before using it.
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
+import os
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +29,7 @@ from pathlib import Path
 from tiering.errors import CheckpointError, VerificationError
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
-from tiering.objectstore import ObjectStore, PreconditionFailed
+from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
 from tiering.publish import publish_dir
 from tiering.retention import ObjectStoreRetention, StepView
 from tiering.verify import committed_marker, verify_step
@@ -36,6 +39,11 @@ log = logging.getLogger(__name__)
 
 class LeaseError(CheckpointError):
     """Another identity owns this run's prefix."""
+
+
+def default_owner() -> str:
+    """The lease identity when none is given: ``RP_RUN_OWNER``, else ``user@host``."""
+    return os.environ.get("RP_RUN_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 @dataclass
@@ -62,6 +70,21 @@ class RemoteTier:
         self.run_id = run_id
         self.base = "/".join(p for p in (prefix.strip("/"), run_id) if p)
         self.download_concurrency = download_concurrency
+
+    @classmethod
+    def open(
+        cls,
+        uri: str,
+        run_id: str,
+        *,
+        endpoint_url: str | None = None,
+        concurrency: int = 8,
+        multipart_chunk_mb: int = 64,
+        checksum_header: bool = False,
+    ) -> RemoteTier:
+        """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``)."""
+        store, prefix = open_store(uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header)
+        return cls(store, prefix, run_id, concurrency)
 
     # -- keys ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
