@@ -1,4 +1,4 @@
-"""``pretrain`` command line: train (the rank program), prepare-data, demo."""
+"""``pretrain`` command line: train (the rank program), prepare-data, demo, and the uploader and GC of a config."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import warnings
 from pathlib import Path
 
 from pretrain.config import ConfigError, load_config
+from pretrain.tiering_config import run_gc, run_upload
+from tiering.cli import configure_logging
 from tiering.remote import LeaseError
 
 
@@ -119,6 +121,34 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upload(args: argparse.Namespace) -> int:
+    configure_logging()
+    return run_upload(load_config(args.config, args.set or []), watch=args.watch, max_seconds=args.max_seconds)
+
+
+def _gc(args: argparse.Namespace) -> int:
+    configure_logging()
+    return run_gc(load_config(args.config, args.set or []), apply=args.apply)
+
+
+def _add_tier3_commands(sub: argparse._SubParsersAction) -> None:
+    """``pretrain upload`` and ``pretrain gc``: tiering's uploader and GC with a config's settings."""
+    up = sub.add_parser("upload", help="tiering upload with the config's staging dir, checkpoint.s3 and run.id")
+    up.add_argument("--config", required=True)
+    up.add_argument("--set", action="append", metavar="KEY=VALUE")
+    mode = up.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
+    mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
+    up.add_argument("--max-seconds", type=float, default=None, help="stop watching after this long")
+    up.set_defaults(func=_upload)
+
+    g = sub.add_parser("gc", help="tiering gc with checkpoint.s3.keep/milestone_every (dry run unless --apply)")
+    g.add_argument("--config", required=True)
+    g.add_argument("--set", action="append", metavar="KEY=VALUE")
+    g.add_argument("--apply", action="store_true")
+    g.set_defaults(func=_gc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
     dr.add_argument("--workdir", default="runs/drill")
     dr.set_defaults(func=_drill)
+
+    _add_tier3_commands(sub)
 
     m = sub.add_parser("demo", help="2-rank CPU run under ft_launcher with one injected failure")
     m.add_argument("--config", default=None, help="config (default: the embedded tiny-cpu config)")

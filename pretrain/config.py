@@ -17,6 +17,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from tiering.remote import default_owner
+
 
 class ConfigError(ValueError):
     """A configuration problem; ``str(err)`` is one line: file, key, problem, fix."""
@@ -129,7 +131,7 @@ class ReshardableTierConfig:
 
 @dataclass
 class S3TierConfig:
-    """Tier 3: reshardable steps promoted to an object store by ``tiering upload``."""
+    """Tier 3: reshardable steps promoted to an object store by ``pretrain upload`` (``tiering upload``)."""
 
     uri: str | None = None  # s3://bucket/prefix, or file:///path (the same protocol, no server)
     endpoint_url: str | None = None  # S3-compatible stores (Ceph RGW, MinIO, ...)
@@ -587,11 +589,7 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
 
 def s3_owner(cfg: Config) -> str:
     """The identity that may write this run's S3 prefix."""
-    import getpass
-    import os
-    import socket
-
-    return cfg.checkpoint.s3.owner or os.environ.get("RP_RUN_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
+    return cfg.checkpoint.s3.owner or default_owner()
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:

@@ -71,7 +71,7 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     print("[demo] " + " ".join(cmd), flush=True)
     # NVRx puts unix sockets under TMPDIR: keep the path short (AF_UNIX allows ~108 bytes).
     env = {**os.environ, "TMPDIR": tempfile.mkdtemp(prefix="rp-demo-", dir="/tmp"), "PYTHONWARNINGS": "ignore"}
-    upload_cmd = [sys.executable, "-m", "tiering", "upload", "--config", str(cfg_path)]
+    upload_cmd = [sys.executable, "-m", "pretrain", "upload", "--config", str(cfg_path)]
     print(f"[demo] uploader running: {' '.join(upload_cmd)} --watch", flush=True)
     t0 = time.perf_counter()
     with open(work / "launcher.log", "w") as logf, open(work / "uploader.log", "w") as uplog:

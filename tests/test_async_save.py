@@ -18,7 +18,7 @@ from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
 from pretrain.launch import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
 from tiering.fsio import sha256_file
-from tiering.local import LocalTier
+from tiering.posix import PosixTier
 
 
 @pytest.mark.parametrize("mode", ["fork", "thread"])
@@ -177,7 +177,7 @@ def test_retention_keeps_steps_in_use(tmp_path: Path) -> None:
     from tiering.collective import SingleProcess
     from tiering.publish import PosixStepPublisher, manifest_for
 
-    tier = LocalTier(tmp_path, "run", keep=1)
+    tier = PosixTier(tmp_path, "run", keep=1)
     pub = PosixStepPublisher(tier.layout, SingleProcess(), "a1")
 
     def publish(step: int) -> None:

@@ -14,8 +14,8 @@ import pytest
 from tests.helpers import copy_tree, events, flip_byte, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.errors import VerificationError
-from tiering.local import LocalTier
 from tiering.manifest import Manifest
+from tiering.posix import PosixTier
 from tiering.restore import select_newest_verified
 from tiering.verify import committed_marker, verify_step
 
@@ -110,7 +110,7 @@ def test_corrupt_newest_step_falls_back_and_is_quarantined(ckpt: Path, name: str
     message = str(err.value)
     assert "\n" not in message and names_file in message, message
 
-    tier = LocalTier(ckpt, "t", keep=3)
+    tier = PosixTier(ckpt, "t", keep=3)
     selection = select_newest_verified(tier, SingleProcess())
     assert selection is not None and selection.step == 20, "must fall back to the next older verified step"
     assert [s for s, _ in selection.rejected] == [30]
@@ -125,20 +125,20 @@ def test_corrupt_newest_step_falls_back_and_is_quarantined(ckpt: Path, name: str
 @pytest.mark.parametrize("content", [b"", b"{not json", b'{"step": "thirty"}', b'{"step": 999}'])
 def test_bad_latest_json_is_only_a_hint(ckpt: Path, content: bytes) -> None:
     (ckpt / "t" / "latest.json").write_bytes(content)
-    selection = select_newest_verified(LocalTier(ckpt, "t"), SingleProcess())
+    selection = select_newest_verified(PosixTier(ckpt, "t"), SingleProcess())
     assert selection is not None and selection.step == 30 and selection.rejected == []
 
 
 def test_stale_latest_json_does_not_hide_newer_step(ckpt: Path) -> None:
     (ckpt / "t" / "latest.json").write_text('{"step": 10, "path": "steps/step-000000010"}')
-    selection = select_newest_verified(LocalTier(ckpt, "t"), SingleProcess())
+    selection = select_newest_verified(PosixTier(ckpt, "t"), SingleProcess())
     assert selection is not None and selection.step == 30
 
 
 def test_every_step_corrupt_means_no_checkpoint(ckpt: Path) -> None:
     for step in (10, 20, 30):
         flip_byte(ckpt / "t" / "steps" / f"step-{step:09d}" / "trainer.pt")
-    assert select_newest_verified(LocalTier(ckpt, "t"), SingleProcess()) is None
+    assert select_newest_verified(PosixTier(ckpt, "t"), SingleProcess()) is None
     assert len(list((ckpt / "t" / "quarantine").glob("*.reason.txt"))) == 3
 
 

@@ -123,7 +123,7 @@ def test_statefulset_shape(overlay: str, nodes: int, gpus: str | None, tmp_path:
     # The uploader is its own Deployment, reading the same staging volume.
     up = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "pretrain-uploader")
     up_pod = up["spec"]["template"]["spec"]
-    assert up_pod["containers"][0]["command"][:3] == ["tiering", "upload", "--config"]
+    assert up_pod["containers"][0]["command"][:3] == ["pretrain", "upload", "--config"]
     assert "--watch" in up_pod["containers"][0]["command"] and up["spec"]["strategy"]["type"] == "Recreate"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in up_pod["volumes"] if "persistentVolumeClaim" in v}
     assert claims == {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}

@@ -11,7 +11,7 @@ import pytest
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError
 from tiering.layout import RunLayout
-from tiering.local import LocalTier
+from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.retention import KeepNewest
 from tiering.verify import verify_step
@@ -60,7 +60,7 @@ def test_failed_rank_aborts_without_publishing(tmp_path: Path) -> None:
 def test_retention_keeps_newest_and_never_the_only_good_copy(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40):
         _publish(tmp_path, step)
-    tier = LocalTier(tmp_path, "run", keep=2)
+    tier = PosixTier(tmp_path, "run", keep=2)
     assert tier.apply_retention() == [10, 20]
     assert tier.committed_steps() == [40, 30]
     # A newer step that does not verify structurally is not counted as a kept copy.
@@ -81,7 +81,7 @@ def test_stale_tmp_dirs_of_dead_attempts_are_removed(tmp_path: Path) -> None:
     steps = tmp_path / "run" / "steps"
     (steps / "step-000000020.tmp-attempt-00-dead").mkdir()
     (steps / "step-000000020.tmp-attempt-01-live").mkdir()
-    removed = LocalTier(tmp_path, "run").clean_stale_tmp("attempt-01-live")
+    removed = PosixTier(tmp_path, "run").clean_stale_tmp("attempt-01-live")
     assert [p.name for p in removed] == ["step-000000020.tmp-attempt-00-dead"]
     assert (steps / "step-000000020.tmp-attempt-01-live").exists() and (steps / "step-000000010").exists()
 
@@ -89,5 +89,5 @@ def test_stale_tmp_dirs_of_dead_attempts_are_removed(tmp_path: Path) -> None:
 def test_uncommitted_step_dir_is_not_loadable(tmp_path: Path) -> None:
     step_dir = _publish(tmp_path, 10)
     os.unlink(step_dir / "COMMITTED")
-    tier = LocalTier(tmp_path, "run")
+    tier = PosixTier(tmp_path, "run")
     assert tier.committed_steps() == [] and tier.step_dirs() == [10]

@@ -11,7 +11,7 @@ import boto3
 import pytest
 import torch
 
-from tests.helpers import PYTHON, TINY, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
+from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
 from tiering.collective import SingleProcess
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
@@ -57,21 +57,9 @@ def _tiering(
 
 
 def _upload_args(staging: Path, uri: str, endpoint: str | None, *extra: str) -> list[str]:
-    args = [
-        "upload",
-        "--config",
-        str(TINY),
-        "--set",
-        f"run.id={RUN}",
-        "--set",
-        f"checkpoint.reshardable.dir={staging}",
-        "--set",
-        f"checkpoint.s3.uri={uri}",
-        "--set",
-        "checkpoint.s3.multipart_chunk_mb=5",
-    ]
+    args = ["upload", uri, "--run-id", RUN, "--staging-dir", str(staging), "--multipart-chunk-mb", "5"]
     if endpoint:
-        args += ["--set", f"checkpoint.s3.endpoint_url={endpoint}"]
+        args += ["--endpoint-url", endpoint]
     return args + list(extra)
 
 
@@ -161,10 +149,10 @@ def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_pa
 def test_second_owner_is_refused(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     make_step(staging, 10)
-    first = _tiering(*_upload_args(staging, *remote_uri, "--once", "--set", "checkpoint.s3.owner=alice"))
+    first = _tiering(*_upload_args(staging, *remote_uri, "--once", "--owner", "alice"))
     assert first.returncode == 0, first.stderr
     make_step(staging, 20)
-    second = _tiering(*_upload_args(staging, *remote_uri, "--once", "--set", "checkpoint.s3.owner=bob"))
+    second = _tiering(*_upload_args(staging, *remote_uri, "--once", "--owner", "bob"))
     assert second.returncode == 1 and "owned by 'alice'" in second.stderr and "not 'bob'" in second.stderr
     assert _remote(*remote_uri).committed_steps() == [10], "the refused uploader wrote nothing"
     with pytest.raises(LeaseError):
@@ -208,7 +196,7 @@ def test_uploader_sigkilled_mid_upload_leaves_no_commit_and_next_run_finishes(
     make_step(staging, 10, size=24_000_000, shards=1)  # 5 multipart parts of 5 MB
     uri = f"s3://{bucket}/ckpt"
     killed = _tiering(
-        *_upload_args(staging, uri, s3_endpoint, "--once", "--set", "checkpoint.s3.concurrency=1"),
+        *_upload_args(staging, uri, s3_endpoint, "--once", "--concurrency", "1"),
         env_extra={"RP_S3_FAULT": "kill_after_parts=2"},
     )
     assert killed.returncode == -9
@@ -241,9 +229,7 @@ def test_unreachable_s3_backs_off_and_training_continues(tmp_path: Path, corpus:
     make_step(staging, 10)
     dead = f"http://127.0.0.1:{free_port()}"
     out = _tiering(
-        *_upload_args(
-            staging, "s3://nobucket/ckpt", dead, "--watch", "--max-seconds", "5", "--set", "checkpoint.s3.retry_max_s=4"
-        ),
+        *_upload_args(staging, "s3://nobucket/ckpt", dead, "--watch", "--max-seconds", "5", "--retry-max-s", "4"),
         env_extra={"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"},
     )
     assert out.returncode == 0, out.stderr

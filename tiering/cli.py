@@ -1,8 +1,15 @@
-"""``tiering`` command line: inspect and verify checkpoint tiers.
+"""``tiering`` command line: inspect, verify, promote, restore and collect checkpoint tiers.
 
 * ``tiering ls DIR``: steps of a run directory (``<tier root>/<run id>``) or of every run under a
   tier root: state, size, age and whether each step verifies.
 * ``tiering verify STEP_DIR``: exit 0 if the step verifies, 1 (with the reason) if not.
+* ``tiering upload URI --run-id ID --staging-dir DIR``: promote committed staging steps to the
+  object store (``--once`` or ``--watch``).
+* ``tiering restore URI --run-id ID --to DIR``: download the newest verified step.
+* ``tiering gc URI --run-id ID [--keep N] [--milestone-every M] [--apply]``: object store retention.
+
+Every setting is a flag: the package reads no training config. ``pretrain upload`` and
+``pretrain gc`` map a pretrain config onto :func:`upload` and :func:`gc`.
 """
 
 from __future__ import annotations
@@ -10,14 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
 
 from tiering.errors import VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
-from tiering.local import LocalTier, StepStatus
+from tiering.objectstore import ObjectStoreError
+from tiering.posix import PosixTier, StepStatus
+from tiering.remote import LeaseError, RemoteTier, default_owner
+from tiering.uploader import Backoff, Uploader
 from tiering.verify import verify_step
 
 
@@ -52,7 +64,7 @@ def _is_node_root(path: Path) -> bool:
 
 def _ls_node_roots(roots: list[Path], factor: int, as_json: bool) -> int:
     """Per-rank tiers 1-2: per step, which ranks have primary and replica copies, and whether they verify."""
-    from tiering.peer_restore import scan_node_root
+    from tiering.peer_restore import scan_node_root  # imports torch (~1 s): only this listing needs it
 
     merged: dict[int, dict[str, dict[int, list[str]]]] = {}
     for root in roots:
@@ -105,7 +117,7 @@ def _ls(args: argparse.Namespace) -> int:
         return 2
     report = []
     for run in runs:
-        tier = LocalTier(run.parent, run.name)
+        tier = PosixTier(run.parent, run.name)
         rows: list[StepStatus] = tier.status(verify=not args.no_verify)
         pending = sorted(p.name for p in tier.layout.steps_dir.iterdir() if parse_tmp_name(p.name))
         quarantined = (
@@ -176,40 +188,33 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remote_from_config(args: argparse.Namespace):  # noqa: ANN202
-    from pretrain.config import load_config
-    from tiering.objectstore import open_store
-    from tiering.remote import RemoteTier
-
-    cfg = load_config(args.config, args.set or [])
-    s3 = cfg.checkpoint.s3
-    if not s3.uri:
-        raise SystemExit(
-            f"tiering: {cfg.source}: checkpoint.s3.uri is not set; fix: set it to s3://bucket/prefix or file:///path"
-        )
-    store, prefix = open_store(s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header)
-    return cfg, RemoteTier(store, prefix, cfg.run.id, s3.concurrency)
+def configure_logging() -> None:
+    """What every ``tiering`` command logs: INFO and above to stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _upload(args: argparse.Namespace) -> int:
-    import signal
-    import threading
+def upload(
+    remote: RemoteTier,
+    staging: PosixTier,
+    owner: str,
+    *,
+    watch: bool = False,
+    poll_s: float = 5.0,
+    retry_max_s: float = 60.0,
+    max_seconds: float | None = None,
+) -> int:
+    """Promote committed ``staging`` steps to ``remote`` as ``owner``: what is pending, or keep
+    polling (``watch``) until SIGTERM or ``max_seconds``, backing off while the store is down.
 
-    from pretrain.config import s3_owner
-    from tiering.objectstore import ObjectStoreError
-    from tiering.remote import LeaseError
-    from tiering.uploader import Backoff, Uploader
-
-    cfg, remote = _remote_from_config(args)
-    staging = LocalTier(cfg.checkpoint.reshardable.dir, cfg.run.id, cfg.checkpoint.reshardable.keep, name="reshardable")
-    uploader = Uploader(remote, staging, s3_owner(cfg))
+    Prints ``{"uploaded": [...], "pending": [...]}`` and returns 0; returns 1 with one line on
+    stderr if another owner holds the run or the store refuses.
+    """
+    uploader = Uploader(remote, staging, owner)
     try:
-        if args.watch:
+        if watch:
             stop = threading.Event()
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            uploader.watch(
-                cfg.checkpoint.s3.poll_s, Backoff(cap_s=cfg.checkpoint.s3.retry_max_s), stop, args.max_seconds
-            )
+            uploader.watch(poll_s, Backoff(cap_s=retry_max_s), stop, max_seconds)
         else:
             uploader.run_once()
     except (LeaseError, ObjectStoreError) as exc:
@@ -223,6 +228,43 @@ def _upload(args: argparse.Namespace) -> int:
     return 0
 
 
+def gc(remote: RemoteTier, keep: int, milestone_every: int = 0, *, apply: bool = False) -> int:
+    """Object store retention (:class:`tiering.retention.ObjectStoreRetention`): a dry run
+    unless ``apply``; marks on one pass and deletes on a later one. Prints the plan."""
+    plan = remote.gc(keep, milestone_every, dry_run=not apply)
+    mode = "applied" if apply else "dry run (pass --apply to act)"
+    print(f"gc {mode}: keep {plan.keep}; marked now {plan.marked_now}; deleted {plan.deleted}")
+    return 0
+
+
+def _remote(args: argparse.Namespace) -> RemoteTier:
+    return RemoteTier.open(
+        args.uri,
+        args.run_id,
+        endpoint_url=args.endpoint_url,
+        concurrency=args.concurrency,
+        multipart_chunk_mb=args.multipart_chunk_mb,
+        checksum_header=args.checksum_header,
+    )
+
+
+def _upload(args: argparse.Namespace) -> int:
+    staging = PosixTier(args.staging_dir, args.run_id, name="reshardable")
+    return upload(
+        _remote(args),
+        staging,
+        args.owner or default_owner(),
+        watch=args.watch,
+        poll_s=args.poll_s,
+        retry_max_s=args.retry_max_s,
+        max_seconds=args.max_seconds,
+    )
+
+
+def _gc(args: argparse.Namespace) -> int:
+    return gc(_remote(args), args.keep, args.milestone_every, apply=args.apply)
+
+
 def _restore(args: argparse.Namespace) -> int:
     """Download the newest verified S3 step unless the local tier already holds one as new.
 
@@ -230,14 +272,10 @@ def _restore(args: argparse.Namespace) -> int:
     the store is unreachable: the trainer then starts from its local/peer tiers or from step 0,
     and retries S3 itself.
     """
-    from tiering.objectstore import ObjectStoreError, open_store
-    from tiering.remote import RemoteTier
-
-    store, prefix = open_store(args.uri, args.endpoint_url)
-    remote = RemoteTier(store, prefix, args.run_id)
+    remote = RemoteTier.open(args.uri, args.run_id, endpoint_url=args.endpoint_url)
     layout = RunLayout(Path(args.to), args.run_id)
     soft = 0 if args.allow_none else 1
-    local = LocalTier(Path(args.to), args.run_id)
+    local = PosixTier(Path(args.to), args.run_id)
     local_best = next((s for s in local.committed_steps() if _verifies(layout.step_dir(s))), None)
     try:
         remote_steps = remote.committed_steps()
@@ -265,12 +303,21 @@ def _verifies(step_dir: Path) -> bool:
         return False
 
 
-def _gc(args: argparse.Namespace) -> int:
-    cfg, remote = _remote_from_config(args)
-    plan = remote.gc(cfg.checkpoint.s3.keep, cfg.checkpoint.s3.milestone_every, dry_run=not args.apply)
-    mode = "applied" if args.apply else "dry run (pass --apply to act)"
-    print(f"gc {mode}: keep {plan.keep}; marked now {plan.marked_now}; deleted {plan.deleted}")
-    return 0
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def _store_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the run lives in the object store, and how to talk to it."""
+    parser.add_argument("uri", help="s3://bucket/prefix or file:///path")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--endpoint-url", default=None, help="S3-compatible stores (Ceph RGW, MinIO, ...)")
+    parser.add_argument("--concurrency", type=_positive, default=8, help="parallel transfers")
+    parser.add_argument("--multipart-chunk-mb", type=int, default=64, help="multipart part size (S3: >= 5)")
+    parser.add_argument("--checksum-header", action="store_true", help="also send x-amz-checksum-sha256")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,9 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("step_dir")
     v.add_argument("--strict-run", action="store_true", help="also require the manifest's run id to match the path")
     v.set_defaults(func=_verify)
-    up = sub.add_parser("upload", help="promote committed staging steps to checkpoint.s3.uri")
-    up.add_argument("--config", required=True)
-    up.add_argument("--set", action="append", metavar="KEY=VALUE")
+    up = sub.add_parser("upload", help="promote committed staging steps to an object store")
+    _store_flags(up)
+    up.add_argument(
+        "--staging-dir", required=True, help="the reshardable tier root; steps are in <dir>/<run id>/steps/"
+    )
+    up.add_argument("--owner", default=None, help="lease identity (default: RP_RUN_OWNER, else user@host)")
+    up.add_argument("--poll-s", type=float, default=5.0, help="--watch polling period")
+    up.add_argument("--retry-max-s", type=float, default=60.0, help="backoff cap while the store is unreachable")
     mode = up.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
     mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
@@ -313,16 +365,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=_restore)
     g = sub.add_parser("gc", help="retention on the object store (dry run unless --apply)")
-    g.add_argument("--config", required=True)
-    g.add_argument("--set", action="append", metavar="KEY=VALUE")
+    _store_flags(g)
+    g.add_argument("--keep", type=_positive, default=3, help="newest verified steps kept (and the one before)")
+    g.add_argument("--milestone-every", type=int, default=0, help="also keep steps divisible by this (0: none)")
     g.add_argument("--apply", action="store_true")
     g.set_defaults(func=_gc)
     return parser
 
 
+def _config_moved(argv: list[str]) -> str | None:
+    """The one-line answer to ``tiering upload/gc --config FILE`` (how they were run before)."""
+    flags = [arg.partition("=") for arg in argv]
+    at = next((i for i, (name, _, _) in enumerate(flags) if name == "--config"), None)
+    if at is None or argv[0] not in ("upload", "gc"):
+        return None
+    config = flags[at][2] or (argv[at + 1] if at + 1 < len(argv) else "the config")
+    return (
+        f"tiering {argv[0]}: {config}: tiering reads no training config; "
+        f"fix: run 'pretrain {argv[0]} --config {config} ...', or pass the store and run as flags "
+        f"(tiering {argv[0]} --help)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     # torch warns about a deprecated pynvml on every import: noise for CLI users.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
+    argv = sys.argv[1:] if argv is None else argv
+    moved = _config_moved(argv)
+    if moved:
+        print(moved, file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     return args.func(args)

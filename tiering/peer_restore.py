@@ -20,7 +20,7 @@ from typing import Any
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.layout import parse_step_name
-from tiering.local import LocalTier
+from tiering.posix import PosixTier
 from tiering.publish import publish_received
 from tiering.replication import primary_store, replica_store
 from tiering.transport import StepPayload, Transport
@@ -76,7 +76,7 @@ class PeerRecovery:
         self.keep = keep
         self.attempt = attempt
 
-    def _store(self, key: StoreKey) -> LocalTier:
+    def _store(self, key: StoreKey) -> PosixTier:
         kind, owner = key
         make = primary_store if kind == "primary" else replica_store
         return make(self.node_root, owner, self.run_id, self.keep)
@@ -259,7 +259,7 @@ def scan_node_root(node_root: Path, run_id: str) -> dict[str, Any]:
             owner = owner_of(owner_dir)
             if owner is None or not (owner_dir / "steps").is_dir():
                 continue
-            store = LocalTier(base, owner_dir.name, run_id=run_id)
+            store = PosixTier(base, owner_dir.name, run_id=run_id)
             for step_dir in (owner_dir / "steps").iterdir():
                 step = parse_step_name(step_dir.name)
                 if step is None:

@@ -15,21 +15,23 @@ verifies every byte against the manifest before using it.
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
 import os
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.errors import CheckpointError, VerificationError
-from tiering.fsio import fsync_dir, fsync_tree
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
-from tiering.objectstore import ObjectStore, PreconditionFailed
-from tiering.publish import write_latest
+from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
+from tiering.publish import publish_dir
+from tiering.retention import ObjectStoreRetention, StepView
 from tiering.verify import committed_marker, verify_step
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,11 @@ log = logging.getLogger(__name__)
 
 class LeaseError(CheckpointError):
     """Another identity owns this run's prefix."""
+
+
+def default_owner() -> str:
+    """The lease identity when none is given: ``RP_RUN_OWNER``, else ``user@host``."""
+    return os.environ.get("RP_RUN_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 @dataclass
@@ -63,6 +70,21 @@ class RemoteTier:
         self.run_id = run_id
         self.base = "/".join(p for p in (prefix.strip("/"), run_id) if p)
         self.download_concurrency = download_concurrency
+
+    @classmethod
+    def open(
+        cls,
+        uri: str,
+        run_id: str,
+        *,
+        endpoint_url: str | None = None,
+        concurrency: int = 8,
+        multipart_chunk_mb: int = 64,
+        checksum_header: bool = False,
+    ) -> RemoteTier:
+        """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``)."""
+        store, prefix = open_store(uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header)
+        return cls(store, prefix, run_id, concurrency)
 
     # -- keys ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -235,13 +257,12 @@ class RemoteTier:
                     exc.reason,
                     "the step is skipped; an older verified step is used",
                 ) from exc
-            fsync_tree(tmp)
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
+            # The same publish as a local save: fsync, atomic rename, COMMITTED (rewritten with the
+            # bytes written above for verification), then latest.json.
+            publish_dir(layout, tmp, step, raw)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        write_latest(layout, step)
         return final
 
     def restore_newest(
@@ -270,7 +291,7 @@ class RemoteTier:
 
     # -- retention -------------------------------------------------------------------------------
     def gc(self, keep: int, milestone_every: int, dry_run: bool = True) -> GcPlan:
-        """Mark, then (on a later pass) delete steps beyond the policy.
+        """Mark, then (on a later pass) delete steps beyond :class:`ObjectStoreRetention`.
 
         Kept: the newest ``keep`` committed steps whose manifest verifies, the verified step just
         before them, milestones (``step % milestone_every == 0``), and the step latest.json names.
@@ -278,24 +299,12 @@ class RemoteTier:
         are garbage too (newer ones may be uploads in progress).
         """
         all_steps = self.steps()
-        verified = []
-        for step in sorted(all_steps, reverse=True):
-            if COMMITTED_NAME in all_steps[step]:
-                try:
-                    self.read_manifest(step)
-                    verified.append(step)
-                except VerificationError:
-                    continue
-        keep_set = set(verified[: keep + 1])  # the newest `keep` plus the previous verified one
-        if milestone_every > 0:
-            keep_set |= {s for s in verified if s % milestone_every == 0}
-        hint = self.latest_hint()
-        if hint is not None:
-            keep_set.add(hint)
-        newest = verified[0] if verified else None
-        doomed = {s for s in verified if s not in keep_set}
-        if newest is not None:
-            doomed |= {s for s in all_steps if s not in verified and s < newest and s not in keep_set}
+        verified = [s for s in sorted(all_steps, reverse=True) if self._manifest_verifies(s, all_steps[s])]
+        keep_set = ObjectStoreRetention(keep, milestone_every).keeps(StepView.of(verified, latest=self.latest_hint()))
+        candidates = set(verified)
+        if verified:
+            candidates |= {s for s in all_steps if s < verified[0]}
+        doomed = candidates - keep_set
         marks = self._read_marks()
         plan = GcPlan(sorted(keep_set & set(all_steps)), [], [])
         to_delete = sorted(s for s in doomed if s in marks)
@@ -314,6 +323,15 @@ class RemoteTier:
                 self.key("gc", "marks.json"), json.dumps({str(k): v for k, v in remaining.items()}).encode()
             )
         return plan
+
+    def _manifest_verifies(self, step: int, names: set[str]) -> bool:
+        if COMMITTED_NAME not in names:
+            return False
+        try:
+            self.read_manifest(step)
+            return True
+        except VerificationError:
+            return False
 
     def _read_marks(self) -> dict[int, float]:
         try:

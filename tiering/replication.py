@@ -18,19 +18,19 @@ from pathlib import Path
 
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
-from tiering.local import LocalTier
+from tiering.posix import PosixTier
 from tiering.publish import publish_received
 from tiering.transport import StepPayload, Transport
 
 log = logging.getLogger(__name__)
 
 
-def primary_store(node_root: Path, owner: int, run_id: str, keep: int) -> LocalTier:
-    return LocalTier(node_root / "ranks", f"rank-{owner:05d}", keep, run_id=run_id, name="local")
+def primary_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
+    return PosixTier(node_root / "ranks", f"rank-{owner:05d}", keep, run_id=run_id, name="local")
 
 
-def replica_store(node_root: Path, owner: int, run_id: str, keep: int) -> LocalTier:
-    return LocalTier(node_root / "replicas", f"rank-{owner:05d}", keep, run_id=run_id, name="peer")
+def replica_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
+    return PosixTier(node_root / "replicas", f"rank-{owner:05d}", keep, run_id=run_id, name="peer")
 
 
 @dataclass

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from tiering.errors import CheckpointError, VerificationError
-from tiering.local import LocalTier
 from tiering.objectstore import ObjectStoreError
+from tiering.posix import PosixTier
 from tiering.remote import LeaseError, RemoteTier, UploadResult
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Backoff:
 @dataclass
 class Uploader:
     remote: RemoteTier
-    staging: LocalTier
+    staging: PosixTier
     identity: str
     uploaded: list[UploadResult] = field(default_factory=list)
     _cleaned: bool = False

@@ -40,7 +40,7 @@ from pretrain.config import Config
 from pretrain.phases import PhaseRecord
 from pretrain.rank_state import rank_state, restore_rng
 from tiering.collective import Collective
-from tiering.local import LocalTier
+from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher
 from tiering.restore import select_newest_verified
 
@@ -65,7 +65,7 @@ class ReshardableCheckpoints:
         self.phases = phases
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
-        self.tier = LocalTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
+        self.tier = PosixTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
         self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt)
         self.attempt = attempt
         self._last_step_bytes = 0

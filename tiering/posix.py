@@ -1,4 +1,8 @@
-"""Tier 1: steps on node-local storage (or any POSIX directory) under the publish protocol."""
+"""Steps in a POSIX directory under the publish protocol: listing, verification, quarantine, pins, retention.
+
+One class serves every file-system tier: the node-local per-rank primaries (tier 1), the replicas
+peers hold (tier 2), and the shared reshardable staging tier that feeds the object store.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from tiering.errors import VerificationError
 from tiering.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
 from tiering.manifest import COMMITTED_NAME, Manifest
-from tiering.retention import KeepNewest
+from tiering.retention import KeepNewest, RetentionPolicy
 from tiering.verify import read_manifest, verify_step
 
 log = logging.getLogger(__name__)
@@ -32,8 +36,8 @@ class StepStatus:
     reason: str = ""
 
 
-class LocalTier:
-    """Published steps under ``<root>/<dirname>/steps``.
+class PosixTier:
+    """Published steps under ``<root>/<dirname>/steps`` on any POSIX file system.
 
     ``dirname`` is the run id for a whole-run store (the reshardable tier), or ``rank-NNNNN`` for
     a per-rank primary or replica store; ``run_id`` (default: ``dirname``) is what manifests
@@ -44,7 +48,7 @@ class LocalTier:
         self, root: Path | str, dirname: str, keep: int = 3, *, run_id: str | None = None, name: str = "local"
     ) -> None:
         self.layout = RunLayout(Path(root), dirname)
-        self.policy = KeepNewest(keep)
+        self.policy: RetentionPolicy = KeepNewest(keep)
         self.run_id = run_id or dirname
         self.name = name
 

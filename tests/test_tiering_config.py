@@ -1,0 +1,66 @@
+"""``tiering`` stands alone (flags only); ``pretrain upload``/``pretrain gc`` map a config onto it.
+
+Real published staging steps, a real ``file://`` object store (the S3 protocol in a directory).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from tests.helpers import PYTHON, TINY
+from tests.test_publish import _publish
+from tiering.remote import RemoteTier
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", module, *args], capture_output=True, text=True, timeout=120)
+
+
+def _config_args(staging: Path, uri: str, *sets: str) -> list[str]:
+    settings = ["run.id=run", f"checkpoint.reshardable.dir={staging}", f"checkpoint.s3.uri={uri}", *sets]
+    return ["--config", str(TINY), *(arg for item in settings for arg in ("--set", item))]
+
+
+def test_pretrain_upload_and_gc_read_the_config_and_share_state_with_tiering(tmp_path: Path) -> None:
+    staging, uri = tmp_path / "staging", f"file://{tmp_path / 'objects'}"
+    for step in (10, 20, 30):
+        _publish(staging, step)
+    up = _run("pretrain", "upload", *_config_args(staging, uri, "checkpoint.s3.owner=alice"), "--once")
+    assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout.splitlines()[-1]) == {"uploaded": [10, 20, 30], "pending": []}
+    assert "promoted step 30" in up.stderr, "the uploader's log reaches stderr"
+    assert RemoteTier.open(uri, "run").committed_steps() == [30, 20, 10]
+    # The same lease through tiering's own flags: another owner is refused.
+    refused = _run("tiering", "upload", uri, "--run-id", "run", "--staging-dir", str(staging), "--owner", "bob")
+    assert refused.returncode == 1 and "owned by 'alice'" in refused.stderr
+    # GC: the first pass (tiering flags) marks, the second (the config's keep) deletes.
+    marked = _run("tiering", "gc", uri, "--run-id", "run", "--keep", "1", "--apply")
+    assert marked.returncode == 0 and "marked now [10]; deleted []" in marked.stdout, marked.stderr
+    swept = _run("pretrain", "gc", *_config_args(staging, uri, "checkpoint.s3.keep=1"), "--apply")
+    assert swept.returncode == 0 and "deleted [10]" in swept.stdout, swept.stderr
+    assert RemoteTier.open(uri, "run").committed_steps() == [30, 20]
+
+
+def test_config_errors_are_one_line_with_a_fix(tmp_path: Path) -> None:
+    no_uri = _run("pretrain", "gc", "--config", str(TINY))
+    assert no_uri.returncode == 2 and no_uri.stderr.count("\n") == 1
+    assert str(TINY) in no_uri.stderr and "checkpoint.s3.uri is not set" in no_uri.stderr and "fix:" in no_uri.stderr
+    moved = _run("tiering", "upload", "--config", str(TINY), "--watch")
+    assert moved.returncode == 2 and moved.stderr.count("\n") == 1
+    assert f"fix: run 'pretrain upload --config {TINY}" in moved.stderr
+    bad_keep = _run("tiering", "gc", f"file://{tmp_path}", "--run-id", "run", "--keep", "0")
+    assert bad_keep.returncode == 2 and "--keep" in bad_keep.stderr
+
+
+def test_tiering_imports_no_pretrain_module() -> None:
+    probe = (
+        "import importlib, pkgutil, sys, tiering\n"
+        "for mod in pkgutil.iter_modules(tiering.__path__):\n"
+        "    importlib.import_module('tiering.' + mod.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pretrain'))\n"
+    )
+    out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
