@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from bench.replication_numbers import raw_durable_write
-from pretrain.plan import mtbf_from_failures, plan_tier
+from pretrain.commands.plan import mtbf_from_failures, plan_tier
 from tiering.collective import SingleProcess
 from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout

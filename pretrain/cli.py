@@ -7,8 +7,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from pretrain.config import ConfigError, load_config
-from pretrain.tiering_config import run_gc, run_upload
+from pretrain.checkpointing.tiering_config import run_gc, run_upload
+from pretrain.config import load_config
+from pretrain.errors import ConfigError
 from tiering.cli import configure_logging
 from tiering.remote import LeaseError
 
@@ -50,7 +51,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pretrain.demo import run_demo
+    from pretrain.commands.demo import run_demo
 
     return run_demo(args.config, args.workdir, args.set or [])
 
@@ -58,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from pretrain.plan import as_dict, format_plan, mtbf_from_failures, plan_capacity, plan_tier
+    from pretrain.commands.plan import as_dict, format_plan, mtbf_from_failures, plan_capacity, plan_tier
 
     if args.mtbf_hours is not None:
         mtbf = args.mtbf_hours * 3600.0
@@ -91,14 +92,14 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _drill(args: argparse.Namespace) -> int:
-    from pretrain.drill import run_drill
+    from pretrain.commands.drill import run_drill
 
     return run_drill(args.config, args.workdir)
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from pretrain.entrypoint import LaunchError, launch
-    from pretrain.job_policy import JobStopped
+    from pretrain.commands.launch import launch
+    from pretrain.errors import JobStopped, LaunchError
 
     try:
         return launch(args.config, args.nproc_per_node, args.max_restarts, args.ft_config, args.dry_run, args.set or [])
@@ -111,7 +112,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from pretrain.status import format_status, status_json
+    from pretrain.commands.status import format_status, status_json
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():

@@ -17,11 +17,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from pretrain.errors import ConfigError
 from tiering.remote import default_owner
-
-
-class ConfigError(ValueError):
-    """A configuration problem; ``str(err)`` is one line: file, key, problem, fix."""
 
 
 @dataclass
@@ -208,7 +205,7 @@ class FaultInjectionConfig:
     poison_restored_step: int = -1
     # Hold every rank for hold_seconds when it enters a phase of an attempt ("RESTART:PHASE", comma
     # separated, RESTART = the launcher's restart count): a window wide enough for a fault injected
-    # from outside the job (tests, drills) to land inside that phase. Phases: pretrain.phases.PHASES.
+    # from outside the job (tests, drills) to land inside that phase. Phases: pretrain.resilience.phases.PHASES.
     hold_at: str | None = None
     hold_seconds: float = 0.0
 
@@ -567,14 +564,14 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
     if ft.emergency_save_timeout <= 0:
         fail("fault_tolerance.emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
     try:
-        from pretrain.preemption import parse_signals
+        from pretrain.resilience.preemption import parse_signals
 
         parse_signals(ft.preemption_signals)
     except ValueError as exc:
         fail("fault_tolerance.preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
     inj = ft.inject
     try:
-        from pretrain.phases import parse_holds
+        from pretrain.resilience.phases import parse_holds
 
         parse_holds(inj.hold_at)
     except ValueError as exc:

@@ -1,8 +1,58 @@
-"""The rank program's own exceptions (a leaf module: it imports nothing from ``pretrain``)."""
+"""Every exception of the rank program, in one leaf module (it imports nothing from ``pretrain``).
+
+Each message is one line: what is wrong, where (file, key, rank), and ``fix:``. The failure
+classification (``pretrain.resilience.failures``) keys on these classes, so there is exactly one
+of each: a second ``DataError`` defined elsewhere would be classified as a user error.
+"""
 
 from __future__ import annotations
 
 from tiering.errors import CheckpointError
+
+STOP_EXIT_CODE = 2  # also the JobSet podFailurePolicy's "do not restart" code
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str(err)`` is one line: file, key, problem, fix."""
+
+
+class DataError(RuntimeError):
+    """Training input is missing, unreadable or corrupt (names the file and the fix)."""
+
+
+class LaunchError(RuntimeError):
+    """One line: what is wrong with the launch environment and how to fix it."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Loss or gradient norm became NaN/Inf at a step."""
+
+    def __init__(self, step: int, what: str, value: float) -> None:
+        super().__init__(f"{what} is {value} at step {step}")
+        self.step = step
+        self.what = what
+
+
+class PreemptedError(SystemExit):
+    """Raised after an emergency save (or past its deadline) to leave the rank program cleanly."""
+
+    EXIT_CODE = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "succeeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.EXIT_CODE)
+        self.message = message
+
+
+class JobStopped(SystemExit):
+    """The job must not be retried; ``message`` says why and how to allow restarts again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(STOP_EXIT_CODE)
+        self.message = message
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """The newest verified checkpoint belongs to a different model; refusing to load it."""
 
 
 class FreshStartRefused(CheckpointError):

@@ -19,10 +19,21 @@ import torch
 import torch.distributed as dist
 
 from pretrain import cpu_shims
-from pretrain.attempts import AttemptLog, record_failure
 from pretrain.config import Config, data_parallel_size, validate
-from pretrain.failures import NonFiniteError, PreemptedError, classify
-from pretrain.ft import (
+from pretrain.errors import JobStopped, NonFiniteError, PreemptedError
+from pretrain.metrics import TrainingMetrics
+from pretrain.resilience.attempts import AttemptLog, record_failure
+from pretrain.resilience.failures import classify
+from pretrain.resilience.job_policy import (
+    confirmed_deterministic,
+    failures_without_progress,
+    refuse_if_stopped,
+    stop_local_launcher,
+    write_stop,
+)
+from pretrain.resilience.phases import PhaseRecord, parse_holds
+from pretrain.resilience.preemption import PreemptionWatch, parse_signals
+from pretrain.resilience.rank_monitor import (
     RankMonitor,
     launcher_restart_count,
     maybe_inject_fault,
@@ -30,17 +41,6 @@ from pretrain.ft import (
     maybe_slow_save,
     restart_counters,
 )
-from pretrain.job_policy import (
-    JobStopped,
-    confirmed_deterministic,
-    failures_without_progress,
-    refuse_if_stopped,
-    stop_local_launcher,
-    write_stop,
-)
-from pretrain.metrics import TrainingMetrics
-from pretrain.phases import PhaseRecord, parse_holds
-from pretrain.preemption import PreemptionWatch, parse_signals
 from pretrain.runlog import RunLog, append_jsonl, run_dir
 
 log = logging.getLogger("pretrain")
@@ -81,7 +81,7 @@ def train(cfg: Config) -> RunSummary:
     phases.enter("startup")
 
     if cfg.fault_tolerance.inprocess.enabled:
-        from pretrain.inprocess import run_inprocess
+        from pretrain.resilience.inprocess import run_inprocess
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29555")
@@ -191,7 +191,7 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
             topology,
             len(dataset),
         )
-    from pretrain.inprocess import incarnation
+    from pretrain.resilience.inprocess import incarnation
 
     runlog.event(
         "start",

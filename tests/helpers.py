@@ -62,7 +62,7 @@ def ft_launch(
     timeout: int = 300,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    from pretrain.launch import ft_launcher_command
+    from pretrain.commands.ft_command import ft_launcher_command
 
     cmd = ft_launcher_command(config, nproc=nproc, ft_config=FT_CPU, max_restarts=max_restarts, overrides=overrides)
     return run(cmd, tmp, timeout, check)
@@ -131,7 +131,7 @@ def two_node_launch(
 
     Node ``node-a`` is failure domain ``rack-a`` with local root ``tmp/local-node-a``; likewise b.
     """
-    from pretrain.launch import ft_launcher_command
+    from pretrain.commands.ft_command import ft_launcher_command
 
     port = free_port()
     procs = {}

@@ -1,7 +1,7 @@
 """Faults injected from outside a running job, at moments read from the job's own records.
 
 A :class:`PhaseKiller` thread follows the run's phase records (``<run>/ranks/rank-N.json``, see
-``pretrain.phases``) and ``metrics.jsonl``; when the ranks it targets are in the planned phase of
+``pretrain.resilience.phases``) and ``metrics.jsonl``; when the ranks it targets are in the planned phase of
 the planned launcher restart, it signals their processes by PID. Nothing sleeps to guess a moment:
 each action waits for the records that prove the job is where the fault belongs.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.phases import ranks_in_phase, read_phases
+from pretrain.resilience.phases import ranks_in_phase, read_phases
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Fault:
     # The launcher restart count of the attempt to hit; None: the next attempt after the previous
     # fault (its ranks are processes that did not exist then): counts differ between launchers.
     restart: int | None
-    phase: str  # the phase the target ranks must be in (pretrain.phases.PHASES)
+    phase: str  # the phase the target ranks must be in (pretrain.resilience.phases.PHASES)
     ranks: list[int]  # the ranks to signal
     sig: int = signal.SIGKILL
     after_step: int | None = None  # also wait until metrics.jsonl has reached this step

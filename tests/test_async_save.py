@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
-from pretrain.launch import ft_launcher_command
+from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
 from tiering.fsio import sha256_file
 from tiering.posix import PosixTier

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.attempts import AttemptLog, record_failure
-from pretrain.failures import classify
-from pretrain.job_policy import failures_without_progress
-from pretrain.phases import PhaseRecord
+from pretrain.resilience.attempts import AttemptLog, record_failure
+from pretrain.resilience.failures import classify
+from pretrain.resilience.job_policy import failures_without_progress
+from pretrain.resilience.phases import PhaseRecord
 
 
 class RankMonitorClientError(Exception):

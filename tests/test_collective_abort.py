@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pretrain.collective_abort import IncarnationConnections
+from pretrain.resilience.collective_abort import IncarnationConnections
 
 
 def _pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:

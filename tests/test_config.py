@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import ConfigError, load_config, padded_vocab_size, validate
+from pretrain.config import load_config, padded_vocab_size, validate
+from pretrain.errors import ConfigError
 from tests.helpers import PYTHON, REPO, TINY
 
 REQUIRED_KEYS = [

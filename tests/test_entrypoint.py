@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.entrypoint import LaunchError, check_flags, expand_slurm_nodelist, first_slurm_host
+from pretrain.commands.launch import check_flags, expand_slurm_nodelist, first_slurm_host
+from pretrain.errors import LaunchError
 from tests.helpers import PYTHON, TINY
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.launch import ft_launcher_command
+from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, free_port, job_env, overrides_for, torchrun
 
 pytestmark = pytest.mark.slow

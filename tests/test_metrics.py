@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pretrain.launch import ft_launcher_command
+from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, free_port, job_env, overrides_for
 
 pytestmark = pytest.mark.slow

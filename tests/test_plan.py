@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from pretrain.plan import daly_interval, goodput, mtbf_from_failures, plan_capacity, plan_tier, young_interval
+from pretrain.commands.plan import daly_interval, goodput, mtbf_from_failures, plan_capacity, plan_tier, young_interval
 from tests.helpers import PYTHON
 
 M = 10012.017167  # 54 days * 86400 s / 466 interruptions (the job uses the whole cluster)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pretrain.launch import ft_launcher_command
+from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, free_port, job_env, metrics_by_step, overrides_for, run, torchrun
 from tests.outside import Fault, PhaseKiller
 

@@ -58,7 +58,7 @@ def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> N
 
 
 def test_hung_rank_is_detected_by_heartbeats_and_the_group_restarts(tmp_path: Path, corpus: Path) -> None:
-    from pretrain.launch import ft_launcher_command
+    from pretrain.commands.ft_command import ft_launcher_command
     from tests.helpers import REPO, TINY, run
 
     job = tmp_path / "hang"
@@ -89,7 +89,7 @@ def test_sections_a_slow_save_is_not_a_hang_and_a_native_hang_is(tmp_path: Path,
     """Sections instead of heartbeats: a save 7 s long (step timeout 5 s) passes; a rank stuck in
     native code (libc pause) is killed by the measured step timeout and the group restarts with
     the measured timeouts loaded from the checkpoint."""
-    from pretrain.launch import ft_launcher_command
+    from pretrain.commands.ft_command import ft_launcher_command
     from tests.helpers import REPO, TINY, run
 
     job = tmp_path / "sections"

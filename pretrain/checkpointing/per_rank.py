@@ -30,10 +30,11 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.config import Config, ConfigError
-from pretrain.ft import launcher_restart_count
-from pretrain.phases import PhaseRecord
+from pretrain.config import Config
+from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
+from pretrain.resilience.phases import PhaseRecord
+from pretrain.resilience.rank_monitor import launcher_restart_count
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.errors import PublishError
 from tiering.fsio import dir_size, write_file_durably

@@ -37,8 +37,8 @@ from pretrain.checkpointing.state import (
     trainer_state,
 )
 from pretrain.config import Config
-from pretrain.phases import PhaseRecord
 from pretrain.rank_state import rank_state, restore_rng
+from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective
 from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher

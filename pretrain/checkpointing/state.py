@@ -11,6 +11,7 @@ import torch
 
 from pretrain.config import Config
 from pretrain.data.dataset import GlobalBatchSampler
+from pretrain.errors import IncompatibleCheckpoint
 from pretrain.optim import TrainOptimizer
 from pretrain.rank_state import seed_everything
 from pretrain.versions import code_version, framework_versions
@@ -35,10 +36,6 @@ ARCH_KEYS = (
     "swiglu",
     "untie_embeddings",
 )
-
-
-class IncompatibleCheckpoint(RuntimeError):
-    """The newest verified checkpoint belongs to a different model; refusing to load it."""
 
 
 @dataclass

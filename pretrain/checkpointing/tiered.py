@@ -16,7 +16,7 @@ from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
 from pretrain.config import Config
 from pretrain.errors import FreshStartRefused
-from pretrain.phases import PhaseRecord
+from pretrain.resilience.phases import PhaseRecord
 from pretrain.runlog import run_dir
 from tiering.collective import Collective
 from tiering.fsio import atomic_write_bytes

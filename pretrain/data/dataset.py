@@ -12,10 +12,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from pretrain.config import Config
 from pretrain.data.tokenizer import ByteTokenizer
-
-
-class DataError(RuntimeError):
-    """Missing or unreadable training data (classified as a data failure, not retried blindly)."""
+from pretrain.errors import DataError
 
 
 def build_train_dataset(cfg: Config) -> GPTDataset:

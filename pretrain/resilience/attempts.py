@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.failures import Classification, FailureInfo
-from pretrain.phases import read_phases, record_of
+from pretrain.resilience.failures import Classification, FailureInfo
+from pretrain.resilience.phases import read_phases, record_of
 from tiering.fsio import atomic_write_bytes
 
 ATTEMPT_GLOB = "attempt-*.json"

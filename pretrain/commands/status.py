@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretrain.attempts import diagnose, needs_diagnosis, read_attempts
+from pretrain.resilience.attempts import diagnose, needs_diagnosis, read_attempts
 
 
 def _when(ts: float | None) -> str:

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from pretrain.collective_abort import IncarnationConnections
 from pretrain.config import Config
+from pretrain.resilience.collective_abort import IncarnationConnections
 
 log = logging.getLogger(__name__)
 

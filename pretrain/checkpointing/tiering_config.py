@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from pretrain.config import Config, ConfigError, s3_owner
+from pretrain.config import Config, s3_owner
+from pretrain.errors import ConfigError
 from tiering import cli as tiering_cli
 from tiering.posix import PosixTier
 from tiering.remote import RemoteTier

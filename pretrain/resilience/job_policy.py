@@ -26,22 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.attempts import attempts_dir, write_json_atomic
-from pretrain.failures import Classification, FailureInfo
+from pretrain.errors import JobStopped
+from pretrain.resilience.attempts import attempts_dir, write_json_atomic
+from pretrain.resilience.failures import Classification, FailureInfo
 
 log = logging.getLogger(__name__)
 
 STOP_FILE = "STOP.json"
-STOP_EXIT_CODE = 2  # also the JobSet podFailurePolicy's "do not restart" code
 DETERMINISTIC = (Classification.USER.value, Classification.DATA.value)
-
-
-class JobStopped(SystemExit):
-    """The job must not be retried; ``message`` says why and how to allow restarts again."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(STOP_EXIT_CODE)
-        self.message = message
 
 
 def stop_path(run_dir: Path) -> Path:

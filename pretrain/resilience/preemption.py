@@ -3,7 +3,7 @@
 
 The handler only notes the request; the training loop agrees on it collectively at the next
 step boundary (one extra element in the step's loss all-reduce), saves tier 1 with a deadline
-and exits with :class:`~pretrain.failures.PreemptedError`. A watchdog thread enforces the deadline
+and exits with :class:`~pretrain.resilience.failures.PreemptedError`. A watchdog thread enforces the deadline
 for the case where the main thread never reaches a step boundary (a hung or dead peer): it exits
 the process, and since publishing is atomic, nothing partial is ever visible.
 """
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pretrain.failures import PreemptedError
+from pretrain.errors import PreemptedError
 
 log = logging.getLogger(__name__)
 

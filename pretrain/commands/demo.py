@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from pretrain.commands.ft_command import ft_launcher_command
+from pretrain.commands.summary import format_report, summarize
 from pretrain.config import load_config
-from pretrain.launch import ft_launcher_command
-from pretrain.recovery import format_report, summarize
 
 FT_CONFIG = {
     "fault_tolerance": {

@@ -29,9 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class LaunchError(RuntimeError):
-    """One line: what is wrong with the launch environment and how to fix it."""
+from pretrain.errors import LaunchError
 
 
 @dataclass
@@ -253,7 +251,7 @@ def launch(
     launcher: str | None = None,
 ) -> int:
     from pretrain.config import load_config
-    from pretrain.job_policy import refuse_if_stopped
+    from pretrain.resilience.job_policy import refuse_if_stopped
     from pretrain.runlog import run_dir
 
     env = os.environ if env is None else env

@@ -31,10 +31,10 @@ from typing import Any
 
 import yaml
 
+from pretrain.commands.demo import FT_CONFIG
+from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import load_config
-from pretrain.demo import FT_CONFIG
-from pretrain.launch import ft_launcher_command
-from pretrain.phases import ranks_in_phase
+from pretrain.resilience.phases import ranks_in_phase
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
 

@@ -17,6 +17,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from enum import Enum
 
+from pretrain.errors import DataError, NonFiniteError, PreemptedError
+
 
 class Classification(str, Enum):
     INFRASTRUCTURE = "infrastructure"
@@ -24,29 +26,6 @@ class Classification(str, Enum):
     DATA = "data"
     USER = "user"
     PREEMPTED = "preempted"
-
-
-class NonFiniteError(FloatingPointError):
-    """Loss or gradient norm became NaN/Inf at a step."""
-
-    def __init__(self, step: int, what: str, value: float) -> None:
-        super().__init__(f"{what} is {value} at step {step}")
-        self.step = step
-        self.what = what
-
-
-class DataError(RuntimeError):
-    """Training input is missing or corrupt (names the file and the fix)."""
-
-
-class PreemptedError(SystemExit):
-    """Raised after an emergency save (or past its deadline) to leave the rank program cleanly."""
-
-    EXIT_CODE = 143  # 128 + SIGTERM: schedulers read it as "terminated", not "succeeded"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(self.EXIT_CODE)
-        self.message = message
 
 
 # Substrings of the errors torch.distributed/gloo/NCCL raise when a peer dies or a collective times out.
@@ -90,7 +69,7 @@ def classify(exc: BaseException) -> FailureInfo:
     """Map an exception that ended a rank to a :class:`Classification`."""
     import torch.distributed as dist
 
-    from pretrain.config import ConfigError
+    from pretrain.errors import ConfigError
     from tiering.errors import CheckpointError
 
     tail = "".join(traceback.format_exception(exc)[-3:])[-1200:]

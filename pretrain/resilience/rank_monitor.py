@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - NVRx is a hard dependency; keep the na
 
 def first_attempt() -> bool:
     """The launcher's first start and, with in-process restarts, the first incarnation."""
-    from pretrain.inprocess import incarnation
+    from pretrain.resilience.inprocess import incarnation
 
     return launcher_restart_count() == 0 and incarnation() == 0
 
