@@ -208,6 +208,9 @@ class FaultInjectionConfig:
     # from outside the job (tests, drills) to land inside that phase. Phases: pretrain.resilience.phases.PHASES.
     hold_at: str | None = None
     hold_seconds: float = 0.0
+    # The uploader's S3 client (pretrain upload): kill_after_parts=N (SIGKILL after N multipart
+    # parts) or timeout_parts=N (the first N parts time out and are retried).
+    s3_fault: str | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from pretrain import cpu_shims
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.config import load_config
-from pretrain.train import build_session, restore_latest
+from pretrain.session import build_session
 from tiering.collective import TorchCollective
 
 
@@ -24,7 +24,8 @@ def main() -> int:
     cpu_shims.install()
     dist.init_process_group("gloo")
     session = build_session(cfg, dist.get_rank(), dist.get_world_size(), "probe")
-    restored = restore_latest(session)
+    session.tiers.prepare()
+    restored = session.tiers.restore(session.state)
     assert restored is not None, "nothing to restore"
     out = cfg.checkpoint.reshardable.dir + "-resaved"
     ReshardableCheckpoints(cfg, TorchCollective(), "probe", directory=out).save(session.state)

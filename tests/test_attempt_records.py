@@ -45,7 +45,7 @@ def test_ranks_that_reported_the_heartbeat_error_are_named_with_it(tmp_path: Pat
 
 def test_a_silent_rank_is_named_with_the_phase_it_died_in(tmp_path: Path) -> None:
     _begin(tmp_path, "a1")
-    survivor, victim = PhaseRecord(tmp_path, 0, set(), 0), PhaseRecord(tmp_path, 1, set(), 0)
+    survivor, victim = PhaseRecord(tmp_path, 0), PhaseRecord(tmp_path, 1)
     for rec in (survivor, victim):
         rec.attempt = "a1"
         rec.enter("verify")
@@ -53,7 +53,7 @@ def test_a_silent_rank_is_named_with_the_phase_it_died_in(tmp_path: Path) -> Non
     survivor.mark_signal("SIGTERM")  # the launcher stopped it after rank 1 vanished
     # The next attempt's processes overwrite the records; the dead process's last one travels along.
     for rank in (0, 1):
-        PhaseRecord(tmp_path, rank, set(), 0).enter("startup")
+        PhaseRecord(tmp_path, rank).enter("startup")
     _begin(tmp_path, "a2", restart=1)
     failure = _records(tmp_path)[0]["failure"]
     assert failure["ranks"] == [1] and failure["phases"] == {"1": "load"}

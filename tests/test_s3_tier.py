@@ -196,8 +196,7 @@ def test_uploader_sigkilled_mid_upload_leaves_no_commit_and_next_run_finishes(
     make_step(staging, 10, size=24_000_000, shards=1)  # 5 multipart parts of 5 MB
     uri = f"s3://{bucket}/ckpt"
     killed = _tiering(
-        *_upload_args(staging, uri, s3_endpoint, "--once", "--concurrency", "1"),
-        env_extra={"RP_S3_FAULT": "kill_after_parts=2"},
+        *_upload_args(staging, uri, s3_endpoint, "--once", "--concurrency", "1", "--inject-fault", "kill_after_parts=2")
     )
     assert killed.returncode == -9
     remote = _remote(uri, s3_endpoint)
@@ -217,7 +216,7 @@ def test_timeouts_mid_multipart_are_retried(s3_endpoint: str, bucket: str, tmp_p
     staging = tmp_path / "staging"
     make_step(staging, 10, size=12_000_000, shards=1)
     uri = f"s3://{bucket}/ckpt"
-    out = _tiering(*_upload_args(staging, uri, s3_endpoint, "--once"), env_extra={"RP_S3_FAULT": "timeout_parts=2"})
+    out = _tiering(*_upload_args(staging, uri, s3_endpoint, "--once", "--inject-fault", "timeout_parts=2"))
     assert out.returncode == 0, out.stderr
     step, rejected = _remote(uri, s3_endpoint).restore_newest(RunLayout(tmp_path / "back", RUN), "r")
     assert step == 10 and rejected == []

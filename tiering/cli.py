@@ -245,6 +245,7 @@ def _remote(args: argparse.Namespace) -> RemoteTier:
         concurrency=args.concurrency,
         multipart_chunk_mb=args.multipart_chunk_mb,
         checksum_header=args.checksum_header,
+        fault=getattr(args, "inject_fault", None),
     )
 
 
@@ -352,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
     mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
     up.add_argument("--max-seconds", type=float, default=None, help="stop watching after this long")
+    up.add_argument(
+        "--inject-fault",
+        default=None,
+        metavar="SPEC",
+        help="tests and drills: kill_after_parts=N (SIGKILL after N parts) or timeout_parts=N",
+    )
     up.set_defaults(func=_upload)
     r = sub.add_parser("restore", help="download the newest verified step from an object store")
     r.add_argument("uri", help="s3://bucket/prefix or file:///path")

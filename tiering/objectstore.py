@@ -80,14 +80,18 @@ def open_store(
     connect_timeout_s: float = 5.0,
     read_timeout_s: float = 60.0,
     max_attempts: int = 5,
+    fault: str | None = None,
 ) -> tuple[ObjectStore, str]:
-    """Return the store and the key prefix inside it."""
+    """Return the store and the key prefix inside it (``fault``: see :func:`_install_fault_hooks`)."""
     scheme, where, prefix = split_uri(uri)
     if scheme == "file":
         return FileStore(Path(where)), prefix
-    return S3Store(
+    store = S3Store(
         where, endpoint_url, concurrency, chunk_mb, checksum_header, connect_timeout_s, read_timeout_s, max_attempts
-    ), prefix
+    )
+    if fault:
+        _install_fault_hooks(store.client, fault)
+    return store, prefix
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,8 +137,6 @@ class S3Store:
             use_threads=concurrency > 1,
         )
         self.checksum_header = checksum_header
-        if os.environ.get("RP_S3_FAULT"):
-            _install_fault_hooks(self.client, os.environ["RP_S3_FAULT"])
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
@@ -215,7 +217,8 @@ class S3Store:
 
 
 def _install_fault_hooks(client: Any, spec: str) -> None:
-    """Deliberate faults for tests and drills, from ``RP_S3_FAULT``:
+    """Deliberate faults for tests and drills (``tiering upload --inject-fault``, or the training
+    config's ``fault_tolerance.inject.s3_fault`` through ``pretrain upload``):
 
     * ``kill_after_parts=N``: SIGKILL this process once N multipart parts were uploaded;
     * ``timeout_parts=N``: the first N UploadPart requests time out (the client retries them).
@@ -243,7 +246,7 @@ def _install_fault_hooks(client: Any, spec: str) -> None:
     elif kind == "timeout_parts":
         client.meta.events.register("before-send.s3.UploadPart", time_out)
     else:
-        raise ValueError(f"RP_S3_FAULT={spec!r}: unknown fault")
+        raise ValueError(f"S3 fault {spec!r}: unknown; use kill_after_parts=N or timeout_parts=N")
 
 
 def _b64md5(data: bytes) -> str:

@@ -81,9 +81,11 @@ class RemoteTier:
         concurrency: int = 8,
         multipart_chunk_mb: int = 64,
         checksum_header: bool = False,
+        fault: str | None = None,
     ) -> RemoteTier:
-        """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``)."""
-        store, prefix = open_store(uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header)
+        """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``); ``fault``
+        injects deliberate S3 faults (tests and drills only)."""
+        store, prefix = open_store(uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, fault=fault)
         return cls(store, prefix, run_id, concurrency)
 
     # -- keys ------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -33,8 +32,8 @@ from pretrain.checkpointing.state import (
 from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
+from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
 from pretrain.resilience.phases import PhaseRecord
-from pretrain.resilience.rank_monitor import launcher_restart_count
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.errors import PublishError
 from tiering.fsio import dir_size, write_file_durably
@@ -142,6 +141,9 @@ class PerRankCheckpoints:
                 log.info("removed unfinished local save of an earlier attempt: %s", path)
 
     # -- save ------------------------------------------------------------------------------------
+    def due(self, step: int, final: bool) -> bool:
+        return final or step % self.cfg.checkpoint.local.interval == 0
+
     def save(self, state: TrainingState, deadline: float | None = None) -> SaveResult:
         """Collective, synchronous. Raises PublishError on every rank if any rank could not publish.
 
@@ -196,9 +198,7 @@ class PerRankCheckpoints:
         entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
         try:
             entry["manifest"] = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-            inj = self.cfg.fault_tolerance.inject
-            chosen = inj.writer_fault_at_step == step and inj.writer_fault_rank == self.rank
-            fault = inj.writer_fault if chosen else None
+            fault = writer_fault(self.cfg, self.rank, step)
             payload = self._payload(state)
             mode = self._async_mode()
             if self._keep_host_copy and mode == "fork":  # the thread writer's own copy serves instead
@@ -374,22 +374,7 @@ class PerRankCheckpoints:
         }
 
     def _maybe_die_while_receiving(self, owner: int, step: int) -> None:
-        inj = self.cfg.fault_tolerance.inject
-        if inj.kill_during_replication_rank == self.rank and inj.kill_at_step == step and launcher_restart_count() == 0:
-            if self._record_event is not None:
-                self._record_event(
-                    "fault_injected",
-                    force=True,
-                    rank=self.rank,
-                    step=step,
-                    signal="SIGKILL",
-                    during="replication",
-                    owner=owner,
-                )
-            log.warning(
-                "fault injection: rank %d SIGKILLs itself while receiving rank %d's step %d", self.rank, owner, step
-            )
-            os.kill(os.getpid(), signal.SIGKILL)
+        maybe_die_while_receiving(self.cfg, self.rank, owner, step, self._record_event)
 
     # -- restore ---------------------------------------------------------------------------------
     def committed_inventory(self) -> list[str]:

@@ -88,8 +88,15 @@ class ReshardableCheckpoints:
         return steps[0] if steps else None
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, state: TrainingState) -> SaveResult:
-        """Collective, synchronous. Raises PublishError (on every rank) if the step could not be published."""
+    def due(self, step: int, final: bool) -> bool:
+        """Every reshardable interval, every S3 interval (promotion staging) and the last step."""
+        s3 = self.cfg.checkpoint.s3
+        every = [self.cfg.checkpoint.reshardable.interval] + ([s3.interval] if s3.uri and s3.interval else [])
+        return final or any(step % n == 0 for n in every)
+
+    def save(self, state: TrainingState, deadline: float | None = None) -> SaveResult:
+        """Collective, synchronous. Raises PublishError (on every rank) if the step could not be published.
+        (``deadline`` is for the emergency tier-1 save; promotion staging is never one.)"""
         t0 = time.perf_counter()
         self._warmup.join()
         tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)

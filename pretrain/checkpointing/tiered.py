@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
-from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
+from pretrain.checkpointing.state import RestoreResult, TrainingState
+from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.config import Config
 from pretrain.errors import FreshStartRefused
 from pretrain.resilience.phases import PhaseRecord
@@ -116,19 +117,9 @@ class TieredCheckpointer:
             if tier is not None:
                 tier.prepare()
 
-    def due(self, step: int) -> list[Any]:
+    def due(self, step: int) -> list[CheckpointTier]:
         final = step == self.cfg.train.steps
-        tiers = []
-        if self.local is not None and (step % self.cfg.checkpoint.local.interval == 0 or final):
-            tiers.append(self.local)
-        s3_interval = self.cfg.checkpoint.s3.interval if self.remote is not None else None
-        if self.reshardable is not None and (
-            step % self.cfg.checkpoint.reshardable.interval == 0
-            or final
-            or (s3_interval is not None and step % s3_interval == 0)
-        ):
-            tiers.append(self.reshardable)
-        return tiers
+        return [tier for tier in self.background_tiers() if tier.due(step, final)]
 
     def planned_intervals(self) -> dict[str, int]:
         """Steps between saves of each tier the trainer commits (for the staleness alert)."""
@@ -139,8 +130,9 @@ class TieredCheckpointer:
             out["reshardable"] = self.cfg.checkpoint.reshardable.interval
         return out
 
-    def background_tiers(self) -> list[Any]:
-        """The tiers that save in the background (tier 1 and promotion staging)."""
+    def background_tiers(self) -> list[CheckpointTier]:
+        """The tiers the trainer saves to, in order (tier 1, then promotion staging); both can save
+        in the background."""
         return [t for t in (self.local, self.reshardable) if t is not None]
 
     def before_optimizer_step(self) -> float:
@@ -149,9 +141,6 @@ class TieredCheckpointer:
 
     def in_flight_count(self) -> int:
         return sum(t.in_flight is not None for t in self.background_tiers())
-
-    def save(self, tier: Any, state: TrainingState) -> SaveResult:
-        return tier.save(state)
 
     def committed(self, step: int) -> None:
         """A save of ``step`` was published (in the foreground or the background)."""

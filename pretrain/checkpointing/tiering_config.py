@@ -28,6 +28,7 @@ def remote_tier(cfg: Config) -> RemoteTier:
         concurrency=s3.concurrency,
         multipart_chunk_mb=s3.multipart_chunk_mb,
         checksum_header=s3.checksum_header,
+        fault=cfg.fault_tolerance.inject.s3_fault,
     )
 
 

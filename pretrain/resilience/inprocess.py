@@ -27,15 +27,9 @@ import torch.distributed as dist
 
 from pretrain.config import Config
 from pretrain.resilience.collective_abort import IncarnationConnections
+from pretrain.resilience.restarts import INCARNATION_ENV
 
 log = logging.getLogger(__name__)
-
-ITERATION_ENV = "RP_INPROCESS_ITERATION"
-
-
-def incarnation() -> int:
-    """Index of the current in-process restart (0 without in-process restarts)."""
-    return int(os.environ.get(ITERATION_ENV, "0"))
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -130,7 +124,7 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
 
     def one_incarnation(call_wrapper: inprocess.CallWrapper | None = None) -> Any:
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
-        os.environ[ITERATION_ENV] = str(iteration)
+        os.environ[INCARNATION_ENV] = str(iteration)
         if iteration:
             # The Wrapper has collected the failed incarnation's garbage: what is left lives on.
             gc.freeze()

@@ -7,8 +7,9 @@ names the phase a silent rank died in; drills and tests read it to inject a faul
 job at a chosen phase. Writes are a few per attempt (never per step) and never raise: a record
 that cannot be written must not fail the rank.
 
-The optional hold (``fault_tolerance.inject.hold_at``) keeps a rank in a phase for
-``hold_seconds`` so that an outside fault can land inside a phase that is otherwise milliseconds long.
+``on_enter`` runs after each record is written: the fault injection's hold
+(``pretrain.resilience.faults.phase_hold``) keeps a rank in a phase so that an outside fault can
+land inside a phase that is otherwise milliseconds long.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pretrain.resilience.restarts import launcher_restart_count
 from tiering.fsio import atomic_write_bytes
 
 # In the order an attempt goes through them.
@@ -56,20 +59,14 @@ def parse_holds(spec: str | None) -> set[tuple[int, str]]:
     return out
 
 
-def restart_count() -> int:
-    """The launcher's restart count of this worker group (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 class PhaseRecord:
     """This rank's phase record (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, rank: int, holds: set[tuple[int, str]], hold_seconds: float) -> None:
+    def __init__(self, run_dir: Path, rank: int, on_enter: Callable[[str], None] = lambda phase: None) -> None:
         self.path = ranks_dir(run_dir) / f"rank-{rank:05d}.json"
         self.rank = rank
-        self.restart = restart_count()
-        self.holds = holds
-        self.hold_seconds = hold_seconds
+        self.restart = launcher_restart_count()
+        self.on_enter = on_enter
         self.phase: str | None = None
         self.attempt: str | None = None  # set once the group agreed on the attempt id
         self.previous: dict[str, Any] | None = None  # the last record of the process before this one
@@ -102,8 +99,7 @@ class PhaseRecord:
             "previous": self.previous,
         }
         self._write()
-        if (self.restart, phase) in self.holds and self.hold_seconds > 0:
-            time.sleep(self.hold_seconds)  # drills: an outside fault lands inside this phase
+        self.on_enter(phase)
 
     def _write(self) -> None:
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,33 +16,6 @@ try:
     from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
 except ImportError:  # pragma: no cover - NVRx is a hard dependency; keep the name stable anyway
     FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR = "FT_RANK_MONITOR_IPC_SOCKET"
-
-
-def first_attempt() -> bool:
-    """The launcher's first start and, with in-process restarts, the first incarnation."""
-    from pretrain.resilience.inprocess import incarnation
-
-    return launcher_restart_count() == 0 and incarnation() == 0
-
-
-def launcher_restart_count() -> int:
-    """How many times the launcher restarted the worker group (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def restart_counters() -> dict[str, object]:
-    """Every restart counter the environment knows, for the attempt record."""
-    env = os.environ
-    out: dict[str, object] = {"launcher_restart_count": launcher_restart_count()}
-    if env.get("TORCHELASTIC_RUN_ID"):
-        out["launcher_run_id"] = env["TORCHELASTIC_RUN_ID"]
-    if env.get("SLURM_JOB_ID"):
-        out["slurm_job_id"] = env["SLURM_JOB_ID"]
-        out["slurm_restart_count"] = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    if env.get("KUBERNETES_SERVICE_HOST"):
-        out["pod"] = env.get("HOSTNAME")
-        out["pod_restart_count"] = int(env.get("RESTART_COUNT", "0") or 0)
-    return out
 
 
 class RankMonitor:
@@ -184,45 +156,3 @@ class RankMonitor:
             except Exception:  # noqa: BLE001 - the monitor may already be gone at exit
                 pass
             self.client = None
-
-
-def maybe_inject_fault(cfg: Config, rank: int, step: int, record, node: str | None = None) -> None:  # noqa: ANN001
-    """SIGKILL this rank (or every rank of a node) at the configured step, on the first attempt only."""
-    inj = cfg.fault_tolerance.inject
-    chosen = inj.kill_rank == rank or (inj.kill_node is not None and inj.kill_node == node)
-    first = first_attempt() or inj.every_attempt
-    if inj.raise_at_step == step and (inj.raise_rank < 0 or (inj.raise_rank == rank and first)):
-        if inj.raise_rank >= 0:
-            record("fault_injected", force=True, rank=rank, step=step, signal="exception", node=node)
-        raise RuntimeError(f"injected user-code error at step {step}")
-    if chosen and inj.kill_at_step == step and first:
-        record("fault_injected", force=True, rank=rank, step=step, signal="SIGKILL", node=node)
-        log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
-        os.kill(os.getpid(), signal.SIGKILL)
-    if inj.hang_rank == rank and inj.hang_at_step == step and first:
-        record("fault_injected", force=True, rank=rank, step=step, signal="hang", node=node)
-        log.warning("fault injection: rank %d hangs at step %d (no more heartbeats)", rank, step)
-        if inj.hang_native:  # stuck in C: no Python code runs until a signal kills the process
-            import ctypes
-
-            ctypes.CDLL(None).pause()
-        while True:  # a hang: alive, silent, holding its peers in the next collective
-            time.sleep(3600)
-
-
-def maybe_poison_restored(cfg: Config, restored_step: int, model: Any) -> None:
-    """Drill: a checkpoint that verifies but is poisoned (a NaN weight), every time it is restored."""
-    if cfg.fault_tolerance.inject.poison_restored_step != restored_step:
-        return
-    import torch
-
-    log.warning("fault injection: step %d restored with a NaN weight", restored_step)
-    with torch.no_grad():
-        next(p for p in model.parameters() if p.numel() > 0).view(-1)[0] = float("nan")
-
-
-def maybe_slow_save(cfg: Config, step: int) -> None:
-    inj = cfg.fault_tolerance.inject
-    if inj.slow_save_at_step == step and inj.slow_save_seconds > 0:
-        log.warning("fault injection: the save of step %d takes %.1f s longer", step, inj.slow_save_seconds)
-        time.sleep(inj.slow_save_seconds)

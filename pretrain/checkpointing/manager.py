@@ -1,0 +1,185 @@
+"""The checkpoint manager: the one object the training loop talks to about checkpoints.
+
+The loop calls :meth:`CheckpointManager.restore` once, :meth:`before_optimizer_step` and
+:meth:`after_step` every step, and :meth:`finish` at the end (:meth:`abandon` after a failure).
+Everything else lives here: which tier is due, whether a save runs in the foreground or the
+background, waiting for or skipping a save while one is in flight (``checkpoint.async.when_busy``),
+publishing finished background saves, the emergency tier-1 save when a preemption signal arrived,
+and reporting every outcome (:class:`pretrain.checkpointing.reporting.SaveReport`). Every method is
+collective: all ranks call it at the same step with the same arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pretrain.checkpointing.reporting import SaveReport
+from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
+from pretrain.checkpointing.tier import CheckpointTier
+from pretrain.checkpointing.tiered import TieredCheckpointer
+from pretrain.config import Config
+from pretrain.errors import PreemptedError
+from pretrain.resilience.faults import maybe_slow_save
+from pretrain.resilience.phases import PhaseRecord
+from pretrain.resilience.preemption import PreemptionWatch
+from pretrain.resilience.rank_monitor import RankMonitor
+from tiering.errors import PublishError
+
+log = logging.getLogger("pretrain")
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        cfg: Config,
+        tiers: TieredCheckpointer,
+        state: TrainingState,
+        report: SaveReport,
+        monitor: RankMonitor,
+        watch: PreemptionWatch,
+        phases: PhaseRecord | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.tiers = tiers
+        self.state = state
+        self.report = report
+        self.monitor = monitor
+        self.watch = watch
+        self.phases = phases
+        self.background = cfg.checkpoint.async_.enabled
+
+    # -- start -----------------------------------------------------------------------------------
+    def restore(self) -> RestoreResult | None:
+        """Collective: load the newest verified checkpoint into the state; None if there is none."""
+        self.tiers.prepare()
+        restored = self.tiers.restore(self.state) if self.cfg.checkpoint.load else None
+        runlog = self.report.runlog
+        if restored is None:
+            log.info("no verified checkpoint: starting from step 0")
+            runlog.event("fresh_start")
+            return None
+        log.info(
+            "restored step %d from tier %s in %.2fs (verify %.2fs, rng %s); resuming at step %d",
+            restored.step,
+            restored.tier,
+            restored.seconds,
+            restored.verify_seconds,
+            "restored" if restored.rng_restored else "re-seeded",
+            restored.step + 1,
+        )
+        runlog.event(
+            "restore",
+            tier=restored.tier,
+            step=restored.step,
+            seconds=restored.seconds,
+            verify_seconds=restored.verify_seconds,
+            rng_restored=restored.rng_restored,
+            rejected=[{"step": s, "reason": r} for s, r in restored.rejected],
+            per_rank=restored.per_rank,
+            notes=restored.notes,
+        )
+        return restored
+
+    # -- every step ------------------------------------------------------------------------------
+    def before_optimizer_step(self) -> float:
+        """Seconds waited for a background snapshot of the weights the optimizer is about to change."""
+        return self.tiers.before_optimizer_step()
+
+    def after_step(self, step: int, leaving: bool) -> None:
+        """Save to the tiers due at ``step``, publish finished background saves, and when
+        ``leaving`` (every rank agreed on a preemption signal) publish tier 1 and raise PreemptedError."""
+        due = self.tiers.due(step)
+        saved_local = False
+        if due:
+            self.monitor.start("checkpointing")  # judged by the checkpointing timeout, not the step's
+            maybe_slow_save(self.cfg, step)
+        for tier in due:
+            if self.background:
+                self._start_background(tier, step)
+                continue
+            try:
+                self.report.saved(tier.save(self.state), step)
+                saved_local = saved_local or tier is self.tiers.local
+            except PublishError as exc:
+                self.report.failed(tier.name, step, exc)
+            self.monitor.beat()
+        # Leaving: tier 1 must be durable now; promotion staging is not waited for.
+        local = [self.tiers.local] if leaving and self.tiers.local is not None else None
+        done = self._poll(block=leaving, tiers=local)
+        saved_local = saved_local or any(d.tier == "local" and d.step == step for d in done)
+        self.monitor.end("checkpointing")
+        if leaving:
+            self._leave(saved_local)
+
+    # -- end -------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        """The final step's saves must be durable (and replicated) before the attempt counts as done."""
+        self._poll(block=True)
+
+    def abandon(self) -> None:
+        """After a failure: stop background writers; their steps are never committed."""
+        for tier in self.tiers.background_tiers():
+            tier.abandon_async()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _start_background(self, tier: CheckpointTier, step: int) -> None:
+        final = step == self.cfg.train.steps  # the last step is never skipped
+        if tier.busy():
+            if self.cfg.checkpoint.async_.when_busy == "skip" and not final:
+                self.report.skipped(tier.name, step, tier.in_flight)
+                return
+            self._poll(block=True, tiers=[tier])
+        try:
+            tier.start_async(self.state)
+        except PublishError as exc:  # refused up front on every rank (a full volume): nothing started
+            self.report.failed(tier.name, step, exc)
+            return
+        self.report.queue_changed()
+
+    def _poll(self, block: bool, tiers: list[CheckpointTier] | None = None) -> list[SaveResult]:
+        """Collective while a save is in flight: publish each tier's save when every writer is done.
+        Returns the saves published now (a failed one is reported and training goes on)."""
+        published = []
+        for tier in tiers if tiers is not None else self.tiers.background_tiers():
+            if tier.in_flight is None:
+                continue
+            step = tier.in_flight
+            try:
+                saved = tier.poll_async(block)
+            except PublishError as exc:
+                self.report.queue_changed()
+                self.report.failed(tier.name, step, exc)
+                continue
+            if saved is not None:
+                self.report.queue_changed()
+                self.report.saved(saved, self.state.step)
+                published.append(saved)
+        return published
+
+    def _leave(self, saved_local: bool) -> None:
+        """Collective (every rank agreed at this step boundary): emergency tier-1 save, then exit."""
+        step, local, watch = self.state.step, self.tiers.local, self.watch
+        published = saved_local
+        if local is None:
+            outcome = "tier 1 is disabled: no emergency save"
+        elif saved_local:
+            outcome = f"step {step} was just saved in tier 1"
+        else:
+            self.monitor.start("checkpointing")
+            if self.phases is not None:
+                self.phases.enter("emergency_save", step=step)
+            try:
+                saved = local.save(self.state, deadline=watch.deadline)
+                published = True
+                outcome = f"emergency save of step {step} published in {saved.seconds:.2f}s"
+            except PublishError as exc:
+                outcome = f"emergency save of step {step} not published ({exc})"
+        watch.finished()
+        if self.report.rank == 0:
+            log.warning("%s received: %s; exiting %d", watch.signal_name, outcome, PreemptedError.EXIT_CODE)
+        self.report.runlog.event("preempted", signal=watch.signal_name, step=step, published=published, outcome=outcome)
+        self.report.records.end(
+            "preempted", step, signal=watch.signal_name, emergency=outcome, emergency_published=published
+        )
+        self.monitor.close()
+        raise PreemptedError(f"{watch.signal_name}: {outcome}")

@@ -1,0 +1,77 @@
+"""How a save's outcome is told: the run's events, the Prometheus metrics, the attempt record and
+one log line on rank 0. The checkpoint manager calls it; nothing here decides anything except
+that ``checkpoint.on_save_error: stop`` turns a failed save into the job's failure."""
+
+from __future__ import annotations
+
+import logging
+
+from pretrain.checkpointing.state import SaveResult
+from pretrain.checkpointing.tiered import TieredCheckpointer
+from pretrain.metrics import TrainingMetrics
+from pretrain.resilience.attempts import AttemptLog
+from pretrain.runlog import RunLog
+
+log = logging.getLogger("pretrain")
+
+
+class SaveReport:
+    def __init__(
+        self,
+        tiers: TieredCheckpointer,
+        runlog: RunLog,
+        metrics: TrainingMetrics,
+        records: AttemptLog,
+        rank: int,
+        stop_on_error: bool,
+    ) -> None:
+        self.tiers = tiers
+        self.runlog = runlog
+        self.metrics = metrics
+        self.records = records
+        self.rank = rank
+        self.stop_on_error = stop_on_error
+
+    def queue_changed(self) -> None:
+        self.metrics.queue_depth = self.metrics.uncommitted = self.tiers.in_flight_count()
+
+    def saved(self, saved: SaveResult, current_step: int) -> None:
+        self.tiers.committed(saved.step)
+        self.metrics.saved(saved.tier, saved.seconds)
+        self.runlog.event(
+            "save",
+            tier=saved.tier,
+            step=saved.step,
+            seconds=saved.seconds,
+            blocked_seconds=saved.blocked_seconds,
+            bytes=saved.bytes,
+            replication_seconds=saved.replication_seconds,
+            under_replicated=saved.under_replicated,
+        )
+        self.records.progress(current_step, **{f"last_saved_{saved.tier}": saved.step})
+        if self.rank == 0:
+            extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
+            blocked = f" (training blocked {saved.blocked_seconds:.3f}s)" if saved.blocked_seconds is not None else ""
+            log.info(
+                "saved step %d to tier %s: %.1f MB in %.2fs%s%s",
+                saved.step,
+                saved.tier,
+                saved.bytes / 1e6,
+                saved.seconds,
+                extra,
+                blocked,
+            )
+
+    def failed(self, tier: str, step: int, exc: Exception) -> None:
+        """The step is not published in this tier; older steps are intact. Training goes on (the
+        next interval tries again) unless checkpoint.on_save_error is stop."""
+        log.error("checkpoint of step %d failed: %s", step, exc)
+        self.runlog.event("save_failed", tier=tier, step=step, error=str(exc))
+        self.metrics.save_failed(tier)
+        if self.stop_on_error:
+            raise exc
+
+    def skipped(self, tier: str, step: int, in_flight: int | None) -> None:
+        log.warning("%s save of step %d skipped: step %s is still being written", tier, step, in_flight)
+        self.runlog.event("save_skipped", tier=tier, step=step, in_flight=in_flight)
+        self.metrics.save_skipped(tier)

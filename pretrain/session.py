@@ -1,0 +1,127 @@
+"""What one attempt (or in-process incarnation) of the rank program builds before its first step:
+Megatron's parallel state, the data, the model wrapped in Megatron DDP, the optimizer and LR
+schedule, the complete training state, the checkpoint tiers and the run's event log. Nothing is
+restored here (:meth:`pretrain.checkpointing.manager.CheckpointManager.restore` does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import nn
+
+from pretrain.checkpointing.state import TrainingState
+from pretrain.checkpointing.tiered import TieredCheckpointer
+from pretrain.config import Config, data_parallel_size
+from pretrain.data.dataset import GlobalBatchSampler, build_train_dataset
+from pretrain.data.prepare import dataset_snapshot_id
+from pretrain.model import build_model, resolve_spec_name, transformer_config
+from pretrain.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
+from pretrain.rank_state import seed_everything
+from pretrain.resilience.phases import PhaseRecord
+from pretrain.resilience.rank_monitor import RankMonitor
+from pretrain.resilience.restarts import incarnation, launcher_restart_count
+from pretrain.runlog import RunLog
+from tiering.collective import TorchCollective
+
+log = logging.getLogger("pretrain")
+
+
+@dataclass
+class Session:
+    cfg: Config
+    rank: int
+    world: int
+    attempt: str
+    ddp: DistributedDataParallel
+    dataset: object  # Megatron's GPTDataset: indexable samples
+    state: TrainingState
+    tiers: TieredCheckpointer
+    runlog: RunLog
+    monitor: RankMonitor
+    phases: PhaseRecord | None = None
+
+
+def _init_model_parallel(cfg: Config) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        return
+    ipc = cfg.fault_tolerance.inprocess
+    # In-process restarts: Megatron's groups get the incarnation's collective timeout (a backstop:
+    # the restart's abort fails collectives in flight at once).
+    timeout_min = ipc.collective_timeout / 60.0 if ipc.enabled else 30
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.parallel.tp,
+        pipeline_model_parallel_size=cfg.parallel.pp,
+        distributed_timeout_minutes=timeout_min,
+    )
+
+
+def _wrap_ddp(cfg: Config, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=uses_distributed_optimizer(cfg)
+    )
+    ddp = DistributedDataParallel(tconfig, ddp_config, model)
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def _training_state(
+    cfg: Config, world: int, model: nn.Module, ddp: DistributedDataParallel, samples: int
+) -> TrainingState:
+    dp = data_parallel_size(cfg, world)
+    topology = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "world_size": world}
+    optimizer = build_optimizer(cfg, ddp)
+    scheduler = build_scheduler(cfg, optimizer)
+    sampler = GlobalBatchSampler(
+        samples,
+        cfg.data.global_batch_size,
+        cfg.data.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        dp,
+        cfg.train.seed,
+    )
+    return TrainingState(cfg, model, optimizer, scheduler, sampler, topology, dataset_snapshot_id(cfg.data.prefix))
+
+
+def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: PhaseRecord | None = None) -> Session:
+    """Collective. The rank monitor connects first: the ``setup`` section covers the rest and the restore."""
+    monitor = RankMonitor(cfg)
+    monitor.start("setup")  # ends once the restore is done
+    if phases is not None:
+        phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)
+    _init_model_parallel(cfg)
+    coll = TorchCollective()
+    runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
+    seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    dataset = build_train_dataset(cfg)
+    tconfig = transformer_config(cfg)
+    model = build_model(cfg, tconfig)
+    ddp = _wrap_ddp(cfg, tconfig, model)
+    state = _training_state(cfg, world, model, ddp, len(dataset))
+    if rank == 0:
+        log.info(
+            "model: %s spec, %d params on rank 0, topology %s, %d samples/epoch",
+            resolve_spec_name(cfg),
+            sum(t.numel() for t in model.parameters()),
+            state.topology,
+            len(dataset),
+        )
+    runlog.event(
+        "start",
+        rank_count=world,
+        incarnation=incarnation(),
+        pids=coll.all_gather(os.getpid()),
+        topology=state.topology,
+        launcher_restart_count=launcher_restart_count(),
+        host=os.uname().nodename,
+    )
+    if monitor.wedged:
+        runlog.event("rank_monitor_wedged", force=True, rank=rank, host=os.uname().nodename)
+    tiers = TieredCheckpointer(cfg, coll, attempt, state.topology, record_event=runlog.event, phases=phases)
+    return Session(cfg, rank, world, attempt, ddp, dataset, state, tiers, runlog, monitor, phases)
