@@ -548,20 +548,18 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a mapping; fix: write 'key: value' entries")
         return {str(k): str(v) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - a field type this loader does not know is a programming error
+    return _coerce_scalar(tp, value, key, source)
+
+
+# The YAML types each scalar field accepts (a bool is never a number: YAML's true is not 1).
+_SCALARS: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+
+
+def _coerce_scalar(tp: Any, value: Any, key: str, source: str) -> Any:
+    if tp not in _SCALARS:  # pragma: no cover - a field type this loader does not know is a programming error
         raise TypeError(f"unsupported config field type {tp!r} for {key}")
+    if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
+        return float(value) if tp is float else value
     raise ConfigError(
         f"{source}: {key}={value!r} has type {type(value).__name__}, expected {tp.__name__}; fix: give a {tp.__name__}"
     )
