@@ -1,8 +1,12 @@
-"""Typed training configuration: YAML -> dataclasses, with all validation in one place.
+"""Typed training configuration: YAML -> dataclasses, validated section by section.
 
 Every error is a :class:`ConfigError` whose message is one line naming the source file, the
-dotted key and the fix. Validation that depends on the launch (world size, CUDA) runs in
-:func:`validate` before any process group exists.
+dotted key and the fix: ``"{source}: {key}: {problem}; fix: {fix}"``. :func:`load_config` rejects
+unknown keys and wrong types. Each section dataclass checks its own fields in ``check(fail)``,
+where ``fail`` (:class:`Fail`) is scoped to the section's dotted path, so a nested section such
+as ``checkpoint.async`` names its keys in full without knowing where it sits. :func:`validate`
+runs every section's check, then the rules that span sections or depend on the launch (world
+size, CUDA), before any process group exists.
 """
 
 from __future__ import annotations
@@ -13,18 +17,50 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, NoReturn, Union
 
 import yaml
 
 from pretrain.errors import ConfigError
+from pretrain.resilience.phases import parse_holds
+from pretrain.resilience.preemption import parse_signals
+from tiering.objectstore import split_uri
 from tiering.remote import default_owner
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Raises the one-line :class:`ConfigError` for a key of one section.
+
+    ``fail(key, problem, fix)`` names ``{path}.{key}``; ``within(name)`` scopes it to a child
+    section; an empty key names the section itself.
+    """
+
+    source: str
+    path: str = ""
+
+    def __call__(self, key: str, problem: str, fix: str) -> NoReturn:
+        full = ".".join(part for part in (self.path, key) if part)
+        raise ConfigError(f"{self.source}: {full}: {problem}; fix: {fix}")
+
+    def within(self, name: str) -> Fail:
+        return Fail(self.source, f"{self.path}.{name}" if self.path else name)
+
+
+def _positive(fail: Fail, **values: int) -> None:
+    for key, value in values.items():
+        if value < 1:
+            fail(key, f"must be >= 1, got {value}", "set a positive value")
 
 
 @dataclass
 class RunConfig:
     id: str = "tiny-run"
     dir: str = "runs"
+
+    def check(self, fail: Fail) -> None:
+        if not self.id or "/" in self.id or self.id.startswith("."):
+            fail("id", f"{self.id!r} is not a valid run id", "use letters, digits, '-', '_' and '.' only")
 
 
 @dataclass
@@ -48,6 +84,25 @@ class ModelConfig:
     spec: Literal["auto", "local", "te"] = "auto"
     precision: Literal["fp32", "bf16"] = "fp32"
 
+    def check(self, fail: Fail) -> None:
+        _positive(
+            fail,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            seq_length=self.seq_length,
+            vocab_size=self.vocab_size,
+        )
+        if self.hidden_size % self.num_attention_heads:
+            fail(
+                "num_attention_heads",
+                f"{self.num_attention_heads} does not divide model.hidden_size={self.hidden_size}",
+                "pick heads that divide the hidden size",
+            )
+        for key, value in (("hidden_dropout", self.hidden_dropout), ("attention_dropout", self.attention_dropout)):
+            if not 0.0 <= value < 1.0:
+                fail(key, f"{value} is outside [0, 1)", "use a probability")
+
 
 @dataclass
 class ParallelConfig:
@@ -56,6 +111,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # auto: Megatron's DistributedOptimizer on CUDA, a torch AdamW over DDP main_grad on CPU.
     distributed_optimizer: Literal["auto", "on", "off"] = "auto"
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, tp=self.tp, pp=self.pp)
 
 
 @dataclass
@@ -67,6 +125,9 @@ class DataConfig:
     cache_dir: str | None = None
     # Record every rank's consumed sample positions (data-audit/rank-N.jsonl) for exactness checks.
     audit: bool = False
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)
 
 
 @dataclass
@@ -80,6 +141,12 @@ class OptimizerConfig:
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
 
+    def check(self, fail: Fail) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            fail("min_lr", f"need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}", "fix the learning rates")
+        if self.clip_grad < 0:
+            fail("clip_grad", "must be >= 0", "use 0 to disable clipping")
+
 
 @dataclass
 class ScheduleConfig:
@@ -87,12 +154,19 @@ class ScheduleConfig:
     decay_steps: int | None = None
     decay_style: Literal["constant", "linear", "cosine"] = "cosine"
 
+    def check(self, fail: Fail) -> None:
+        if self.warmup_steps < 0:
+            fail("warmup_steps", "must be >= 0", "use 0 for no warmup")
+
 
 @dataclass
 class TrainConfig:
     steps: int = 60
     seed: int = 1234
     log_interval: int = 10
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, steps=self.steps, log_interval=self.log_interval)
 
 
 @dataclass
@@ -103,6 +177,9 @@ class LocalTierConfig:
     interval: int = 10
     keep: int = 3
     enabled: bool = True
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, interval=self.interval, keep=self.keep)
 
 
 @dataclass
@@ -115,6 +192,11 @@ class ReplicationConfig:
     node: str | None = None  # this rank's node name (default: NODE_NAME, SLURMD_NODENAME, hostname)
     timeout_s: float = 60.0  # bound on every replication transfer
 
+    def check(self, fail: Fail) -> None:
+        _positive(fail, factor=self.factor)
+        if self.timeout_s <= 0:
+            fail("timeout_s", "must be > 0", "give a bound in seconds")
+
 
 @dataclass
 class ReshardableTierConfig:
@@ -124,6 +206,9 @@ class ReshardableTierConfig:
     interval: int = 50
     keep: int = 2
     enabled: bool = True
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, interval=self.interval, keep=self.keep)
 
 
 @dataclass
@@ -142,6 +227,22 @@ class S3TierConfig:
     poll_s: float = 5.0  # uploader --watch polling period
     retry_max_s: float = 60.0  # uploader backoff cap when the store is unreachable
 
+    def check(self, fail: Fail) -> None:
+        if self.uri is None:
+            return  # the tier is off: its numbers are unused
+        try:
+            split_uri(self.uri)
+        except ValueError as exc:
+            fail("uri", str(exc), "use s3://bucket/prefix or file:///absolute/path")
+        if self.interval is not None and self.interval < 1:
+            fail("interval", "must be >= 1", "set a positive interval")
+        if self.keep < 1 or self.concurrency < 1 or self.multipart_chunk_mb < 5:
+            fail(
+                "keep",
+                "keep and concurrency must be >= 1, multipart_chunk_mb >= 5 (S3's minimum)",
+                "fix the S3 tier numbers",
+            )
+
 
 @dataclass
 class AsyncSaveConfig:
@@ -157,6 +258,14 @@ class AsyncSaveConfig:
     # A save due while one is in flight: wait for it, or skip this one (logged and counted).
     when_busy: Literal["wait", "skip"] = "wait"
 
+    def check(self, fail: Fail) -> None:
+        if self.max_in_flight != 1:
+            fail(
+                "max_in_flight",
+                f"{self.max_in_flight} is not supported",
+                "use 1 (one tier-1 save in flight; a second one would double the snapshot memory)",
+            )
+
 
 @dataclass
 class CheckpointConfig:
@@ -171,6 +280,21 @@ class CheckpointConfig:
     # With no step that every rank can obtain, a run that has committed steps somewhere (own copies,
     # replicas, the reshardable tier, S3) refuses to start from step 0 unless this is true.
     allow_fresh_start: bool = False
+
+    def check(self, fail: Fail) -> None:
+        self.local.check(fail.within("local"))
+        self.replication.check(fail.within("replication"))
+        self.reshardable.check(fail.within("reshardable"))
+        self.s3.check(fail.within("s3"))
+        self.async_.check(fail.within("async"))
+        if self.s3.uri is not None and not self.reshardable.enabled:
+            fail(
+                "s3.uri",
+                "the S3 tier promotes reshardable steps, but that tier is disabled",
+                "enable checkpoint.reshardable (it is the staging area)",
+            )
+        if not self.local.enabled and not self.reshardable.enabled:
+            fail("local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
 
 
 @dataclass
@@ -212,6 +336,12 @@ class FaultInjectionConfig:
     # parts) or timeout_parts=N (the first N parts time out and are retried).
     s3_fault: str | None = None
 
+    def check(self, fail: Fail) -> None:
+        try:
+            parse_holds(self.hold_at)
+        except ValueError as exc:
+            fail("hold_at", str(exc), "write RESTART:PHASE pairs, e.g. 1:verify,2:load")
+
 
 @dataclass
 class InprocessConfig:
@@ -230,6 +360,20 @@ class InprocessConfig:
     # fault aborts collectives in flight at once (NCCL abort; gloo: the incarnation's connections
     # are shut down). Keep it above the longest legitimate wait (rank skew around saves).
     collective_timeout: float = 60.0
+
+    def check(self, fail: Fail) -> None:
+        ordered = (
+            0 < self.monitor_interval < self.soft_timeout < self.hard_timeout < self.barrier_timeout
+            and self.heartbeat_timeout < self.barrier_timeout
+            and 0 < self.collective_timeout < self.hard_timeout
+        )
+        if self.enabled and not ordered:
+            fail(
+                "",
+                "timeouts must satisfy monitor_interval < soft_timeout < hard_timeout < barrier_timeout, "
+                "heartbeat_timeout < barrier_timeout and 0 < collective_timeout < hard_timeout",
+                "order the timeouts",
+            )
 
 
 @dataclass
@@ -254,6 +398,22 @@ class FaultToleranceConfig:
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
+    def check(self, fail: Fail) -> None:
+        if self.max_consecutive_failures_without_progress < 1 or self.poison_window < 0:
+            fail(
+                "max_consecutive_failures_without_progress",
+                "must be >= 1 (and poison_window >= 0)",
+                "give a positive number of attempts",
+            )
+        self.inprocess.check(fail.within("inprocess"))
+        if self.emergency_save_timeout <= 0:
+            fail("emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
+        try:
+            parse_signals(self.preemption_signals)
+        except ValueError as exc:
+            fail("preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
+        self.inject.check(fail.within("inject"))
+
 
 @dataclass
 class MetricsConfig:
@@ -262,6 +422,10 @@ class MetricsConfig:
     enabled: bool = True
     host: str = "0.0.0.0"
     port: int = 9400
+
+    def check(self, fail: Fail) -> None:
+        if not 0 < self.port < 65536:
+            fail("port", f"{self.port} is not a TCP port", "use 1-65535 (or metrics.enabled: false)")
 
 
 @dataclass
@@ -283,6 +447,19 @@ class Config:
         out.pop("source")
         out["checkpoint"]["async"] = out["checkpoint"].pop("async_")
         return out
+
+    def check(self, fail: Fail) -> None:
+        """Every section's own rules (no rule here spans two sections; :func:`validate` has those)."""
+        self.run.check(fail.within("run"))
+        self.model.check(fail.within("model"))
+        self.parallel.check(fail.within("parallel"))
+        self.data.check(fail.within("data"))
+        self.optimizer.check(fail.within("optimizer"))
+        self.schedule.check(fail.within("schedule"))
+        self.train.check(fail.within("train"))
+        self.checkpoint.check(fail.within("checkpoint"))
+        self.fault_tolerance.check(fail.within("fault_tolerance"))
+        self.metrics.check(fail.within("metrics"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,20 +551,18 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a mapping; fix: write 'key: value' entries")
         return {str(k): str(v) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:  # pragma: no cover - a field type this loader does not know is a programming error
+    return _coerce_scalar(tp, value, key, source)
+
+
+# The YAML types each scalar field accepts (a bool is never a number: YAML's true is not 1).
+_SCALARS: dict[type, tuple[type, ...]] = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+
+
+def _coerce_scalar(tp: Any, value: Any, key: str, source: str) -> Any:
+    if tp not in _SCALARS:  # pragma: no cover - a field type this loader does not know is a programming error
         raise TypeError(f"unsupported config field type {tp!r} for {key}")
+    if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
+        return float(value) if tp is float else value
     raise ConfigError(
         f"{source}: {key}={value!r} has type {type(value).__name__}, expected {tp.__name__}; fix: give a {tp.__name__}"
     )
@@ -398,42 +573,37 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
 
 
 def validate(cfg: Config, world_size: int, cuda: bool) -> None:
-    """Check every cross-field and launch-dependent rule; raise ConfigError naming the key."""
-    src = cfg.source
-    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
-
-    def fail(key: str, problem: str, fix: str) -> None:
-        raise ConfigError(f"{src}: {key}: {problem}; fix: {fix}")
-
-    positives = {
-        "model.num_layers": m.num_layers,
-        "model.hidden_size": m.hidden_size,
-        "model.num_attention_heads": m.num_attention_heads,
-        "model.seq_length": m.seq_length,
-        "model.vocab_size": m.vocab_size,
-        "parallel.tp": p.tp,
-        "parallel.pp": p.pp,
-        "data.global_batch_size": d.global_batch_size,
-        "data.micro_batch_size": d.micro_batch_size,
-        "train.steps": t.steps,
-        "train.log_interval": t.log_interval,
-        "checkpoint.local.interval": cfg.checkpoint.local.interval,
-        "checkpoint.local.keep": cfg.checkpoint.local.keep,
-        "checkpoint.replication.factor": cfg.checkpoint.replication.factor,
-        "checkpoint.reshardable.interval": cfg.checkpoint.reshardable.interval,
-        "checkpoint.reshardable.keep": cfg.checkpoint.reshardable.keep,
-    }
-    for key, value in positives.items():
-        if value < 1:
-            fail(key, f"must be >= 1, got {value}", "set a positive value")
-    if not cfg.run.id or "/" in cfg.run.id or cfg.run.id.startswith("."):
-        fail("run.id", f"{cfg.run.id!r} is not a valid run id", "use letters, digits, '-', '_' and '.' only")
-    if m.hidden_size % m.num_attention_heads:
+    """Check every section, then the rules across sections and the launch; raise ConfigError naming the key."""
+    fail = Fail(cfg.source)
+    cfg.check(fail)  # first: the rules below divide by the sizes it checks
+    _check_topology(cfg, world_size, fail)
+    s = cfg.schedule
+    decay = s.decay_steps if s.decay_steps is not None else cfg.train.steps
+    if decay <= s.warmup_steps and s.decay_style != "constant":
         fail(
-            "model.num_attention_heads",
-            f"{m.num_attention_heads} does not divide model.hidden_size={m.hidden_size}",
-            "pick heads that divide the hidden size",
+            "schedule.decay_steps",
+            f"{decay} must exceed schedule.warmup_steps={s.warmup_steps}",
+            "raise decay_steps (or train.steps) above the warmup",
         )
+    if not cuda:
+        _check_cpu_only(cfg, fail)
+    # After the CPU rules, so that on CPU the fix named is "set it to false", not "raise tp".
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        fail("parallel.sequence_parallel", "needs tp > 1", "enable tensor parallelism or disable it")
+    if cfg.checkpoint.async_.mode == "fork" and cuda:
+        fail("checkpoint.async.mode", "fork is unsafe in a CUDA process", "use thread (or auto)")
+    inj = cfg.fault_tolerance.inject
+    if inj.kill_rank >= world_size:
+        fail(
+            "fault_tolerance.inject.kill_rank",
+            f"rank {inj.kill_rank} >= world size {world_size}",
+            "pick an existing rank or -1",
+        )
+
+
+def _check_topology(cfg: Config, world_size: int, fail: Fail) -> None:
+    """The model, the batch and the world size split over tp x pp x dp."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
     if m.num_attention_heads % p.tp:
         fail(
             "parallel.tp",
@@ -463,127 +633,35 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
             f"padded vocab {padded_vocab_size(cfg)} is not divisible by tp={p.tp}",
             "use a multiple of 128 (divisible by every tp you will use)",
         )
-    dp = world_size // (p.tp * p.pp)
+    dp = data_parallel_size(cfg, world_size)
     if d.global_batch_size % (d.micro_batch_size * dp):
         fail(
             "data.global_batch_size",
             f"{d.global_batch_size} is not divisible by micro_batch_size*dp={d.micro_batch_size}*{dp}",
             "make the global batch a multiple of micro_batch_size*dp",
         )
-    for key, value in (("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)):
-        if not 0.0 <= value < 1.0:
-            fail(key, f"{value} is outside [0, 1)", "use a probability")
-    o = cfg.optimizer
-    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        fail("optimizer.min_lr", f"need 0 <= min_lr <= lr, got lr={o.lr} min_lr={o.min_lr}", "fix the learning rates")
-    if o.clip_grad < 0:
-        fail("optimizer.clip_grad", "must be >= 0", "use 0 to disable clipping")
-    s = cfg.schedule
-    if s.warmup_steps < 0:
-        fail("schedule.warmup_steps", "must be >= 0", "use 0 for no warmup")
-    decay = s.decay_steps if s.decay_steps is not None else t.steps
-    if decay <= s.warmup_steps and s.decay_style != "constant":
-        fail(
-            "schedule.decay_steps",
-            f"{decay} must exceed schedule.warmup_steps={s.warmup_steps}",
-            "raise decay_steps (or train.steps) above the warmup",
-        )
-    if not cuda:
-        if m.spec == "te":
-            fail("model.spec", "Transformer Engine layers need CUDA, none found", "use spec: auto or local on CPU")
-        if m.precision == "bf16":
-            fail("model.precision", "bf16 training needs CUDA here", "use precision: fp32 on CPU")
-        if p.sequence_parallel:
-            fail("parallel.sequence_parallel", "needs TE/Apex norms (CUDA)", "set it to false on CPU")
-        if p.pp > 1 and not m.untie_embeddings:
-            fail(
-                "model.untie_embeddings",
-                "tied embeddings across pipeline stages need CUDA (Megatron moves them with .cuda())",
-                "set model.untie_embeddings: true for pp > 1 on CPU",
-            )
-        if p.distributed_optimizer == "on":
-            fail(
-                "parallel.distributed_optimizer",
-                "Megatron's DistributedOptimizer is CUDA-only",
-                "use auto or off on CPU",
-            )
-    if p.sequence_parallel and p.tp == 1:
-        fail("parallel.sequence_parallel", "needs tp > 1", "enable tensor parallelism or disable it")
-    s3 = cfg.checkpoint.s3
-    if s3.uri is not None:
-        from tiering.objectstore import split_uri
 
-        try:
-            split_uri(s3.uri)
-        except ValueError as exc:
-            fail("checkpoint.s3.uri", str(exc), "use s3://bucket/prefix or file:///absolute/path")
-        if not cfg.checkpoint.reshardable.enabled:
-            fail(
-                "checkpoint.s3.uri",
-                "the S3 tier promotes reshardable steps, but that tier is disabled",
-                "enable checkpoint.reshardable (it is the staging area)",
-            )
-        if s3.interval is not None and s3.interval < 1:
-            fail("checkpoint.s3.interval", "must be >= 1", "set a positive interval")
-        if s3.keep < 1 or s3.concurrency < 1 or s3.multipart_chunk_mb < 5:
-            fail(
-                "checkpoint.s3.keep",
-                "keep and concurrency must be >= 1, multipart_chunk_mb >= 5 (S3's minimum)",
-                "fix the S3 tier numbers",
-            )
-    if cfg.checkpoint.async_.max_in_flight != 1:
-        fail(
-            "checkpoint.async.max_in_flight",
-            f"{cfg.checkpoint.async_.max_in_flight} is not supported",
-            "use 1 (one tier-1 save in flight; a second one would double the snapshot memory)",
-        )
-    if cfg.checkpoint.async_.mode == "fork" and cuda:
-        fail("checkpoint.async.mode", "fork is unsafe in a CUDA process", "use thread (or auto)")
-    if cfg.checkpoint.replication.timeout_s <= 0:
-        fail("checkpoint.replication.timeout_s", "must be > 0", "give a bound in seconds")
-    if not cfg.checkpoint.local.enabled and not cfg.checkpoint.reshardable.enabled:
-        fail("checkpoint.local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
-    if not 0 < cfg.metrics.port < 65536:
-        fail("metrics.port", f"{cfg.metrics.port} is not a TCP port", "use 1-65535 (or metrics.enabled: false)")
-    ft = cfg.fault_tolerance
-    if ft.max_consecutive_failures_without_progress < 1 or ft.poison_window < 0:
-        fail(
-            "fault_tolerance.max_consecutive_failures_without_progress",
-            "must be >= 1 (and poison_window >= 0)",
-            "give a positive number of attempts",
-        )
-    ipc = ft.inprocess
-    if ipc.enabled and not (
-        0 < ipc.monitor_interval < ipc.soft_timeout < ipc.hard_timeout < ipc.barrier_timeout
-        and ipc.heartbeat_timeout < ipc.barrier_timeout
-        and 0 < ipc.collective_timeout < ipc.hard_timeout
-    ):
-        fail(
-            "fault_tolerance.inprocess",
-            "timeouts must satisfy monitor_interval < soft_timeout < hard_timeout < barrier_timeout, "
-            "heartbeat_timeout < barrier_timeout and 0 < collective_timeout < hard_timeout",
-            "order the timeouts",
-        )
-    if ft.emergency_save_timeout <= 0:
-        fail("fault_tolerance.emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
-    try:
-        from pretrain.resilience.preemption import parse_signals
 
-        parse_signals(ft.preemption_signals)
-    except ValueError as exc:
-        fail("fault_tolerance.preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
-    inj = ft.inject
-    try:
-        from pretrain.resilience.phases import parse_holds
-
-        parse_holds(inj.hold_at)
-    except ValueError as exc:
-        fail("fault_tolerance.inject.hold_at", str(exc), "write RESTART:PHASE pairs, e.g. 1:verify,2:load")
-    if inj.kill_rank >= world_size:
+def _check_cpu_only(cfg: Config, fail: Fail) -> None:
+    """What a launch without CUDA cannot do."""
+    m, p = cfg.model, cfg.parallel
+    if m.spec == "te":
+        fail("model.spec", "Transformer Engine layers need CUDA, none found", "use spec: auto or local on CPU")
+    if m.precision == "bf16":
+        fail("model.precision", "bf16 training needs CUDA here", "use precision: fp32 on CPU")
+    if p.sequence_parallel:
+        fail("parallel.sequence_parallel", "needs TE/Apex norms (CUDA)", "set it to false on CPU")
+    if p.pp > 1 and not m.untie_embeddings:
         fail(
-            "fault_tolerance.inject.kill_rank",
-            f"rank {inj.kill_rank} >= world size {world_size}",
-            "pick an existing rank or -1",
+            "model.untie_embeddings",
+            "tied embeddings across pipeline stages need CUDA (Megatron moves them with .cuda())",
+            "set model.untie_embeddings: true for pp > 1 on CPU",
+        )
+    if p.distributed_optimizer == "on":
+        fail(
+            "parallel.distributed_optimizer",
+            "Megatron's DistributedOptimizer is CUDA-only",
+            "use auto or off on CPU",
         )
 
 
