@@ -13,6 +13,9 @@ from pretrain.errors import ConfigError
 from tiering.cli import configure_logging
 from tiering.remote import LeaseError
 
+# Each verb imports what it needs when it runs: torch and Megatron take seconds to import, and
+# `pretrain status`, `plan` or a config error must not wait for them.
+
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set or [])

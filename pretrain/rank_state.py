@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core import tensor_parallel
 
 from pretrain.data.dataset import SampleCursor
 
@@ -30,8 +31,6 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
         rng["cuda"] = torch.cuda.get_rng_state()
         rng["cuda_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return rng
@@ -46,8 +45,6 @@ def restore_rng(rng: dict[str, Any]) -> None:
     )
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and "cuda" in rng:
-        from megatron.core import tensor_parallel
-
         torch.cuda.set_rng_state(rng["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["cuda_tracker"])
 
@@ -58,8 +55,6 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
     if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.config import load_config
+from pretrain.data.dataset import build_train_dataset
+from pretrain.data.prepare import build_indexed_dataset
 from pretrain.resilience.attempts import AttemptLog, record_failure
 from pretrain.resilience.failures import classify
 from pretrain.resilience.job_policy import failures_without_progress
 from pretrain.resilience.phases import PhaseRecord
+from tests.helpers import TINY
 
 
 class RankMonitorClientError(Exception):
@@ -91,3 +95,19 @@ def test_only_the_same_failure_repeating_counts_towards_a_stop(failures: list[tu
         for c, r, e, last in failures
     ]
     assert failures_without_progress(history) == expected
+
+
+def test_a_missing_or_empty_dataset_is_a_data_failure(tmp_path: Path) -> None:
+    """The dataset's error is the one DataError classify() knows (it once had its own class and was
+    classified as a user error)."""
+    missing = load_config(str(TINY), [f"data.prefix={tmp_path / 'nowhere'}"])
+    with pytest.raises(Exception) as caught:
+        build_train_dataset(missing)
+    info = classify(caught.value)
+    assert info.classification == "data" and "nowhere" in info.exception and "fix:" in info.exception
+
+    build_indexed_dataset(iter(["tiny"]), tmp_path / "empty")
+    empty = load_config(str(TINY), [f"data.prefix={tmp_path / 'empty'}"])
+    with pytest.raises(Exception) as caught:
+        build_train_dataset(empty)
+    assert classify(caught.value).classification == "data", caught.value

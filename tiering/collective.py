@@ -49,7 +49,7 @@ class TorchCollective:
     """Collectives over a torch.distributed group (gloo for objects; works beside NCCL)."""
 
     def __init__(self, group: Any = None) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: the tiering CLI and S3 paths run without torch
 
         self._dist = dist
         self._group = group

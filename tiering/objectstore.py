@@ -8,11 +8,13 @@ and conditional replace under a lock, so the same protocol runs with no server (
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import hashlib
 import os
 import shutil
+import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -223,9 +225,7 @@ def _install_fault_hooks(client: Any, spec: str) -> None:
     * ``kill_after_parts=N``: SIGKILL this process once N multipart parts were uploaded;
     * ``timeout_parts=N``: the first N UploadPart requests time out (the client retries them).
     """
-    import signal
-
-    from botocore.exceptions import ReadTimeoutError
+    from botocore.exceptions import ReadTimeoutError  # boto3/botocore: only with an s3:// store
 
     kind, _, count = spec.partition("=")
     limit = int(count or "1")
@@ -250,8 +250,6 @@ def _install_fault_hooks(client: Any, spec: str) -> None:
 
 
 def _b64md5(data: bytes) -> str:
-    import base64
-
     return base64.b64encode(hashlib.md5(data).digest()).decode()
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from tiering.manifest import MANIFEST_NAME, Manifest
 
 CHUNK = 64 * 1024 * 1024
 
@@ -30,8 +33,6 @@ class StepPayload:
 
     @classmethod
     def from_step_dir(cls, step_dir: Path, header: dict[str, Any]) -> StepPayload:
-        from tiering.manifest import MANIFEST_NAME, Manifest
-
         raw = (step_dir / MANIFEST_NAME).read_bytes()
         manifest = Manifest.from_json(raw, step_dir / MANIFEST_NAME)
         names = [(f.path, f.bytes) for f in manifest.files]
@@ -84,8 +85,6 @@ class Transport:
         Returns the payloads received (peers that sent nothing are absent) and one error line per
         peer that failed or timed out.
         """
-        import torch.distributed as dist
-
         errors: dict[int, str] = {}
         sizes = {src: torch.zeros(2, dtype=torch.int64) for src in incoming}
         heads = {dst: p.header_bytes() if p is not None else b"" for dst, p in outgoing.items()}

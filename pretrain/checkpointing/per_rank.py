@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpointing.async_writer import SnapshotBuffers
+from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
 from pretrain.checkpointing.state import (
     SaveResult,
     TrainingState,
@@ -189,8 +189,6 @@ class PerRankCheckpoints:
     def start_async(self, state: TrainingState) -> float:
         """Snapshot this rank's state and write it in the background; returns the seconds training
         was blocked. Every rank starts at the same step; :meth:`poll_async` publishes it."""
-        from pretrain.checkpointing.async_writer import BackgroundWrite
-
         assert self.in_flight is None, "one tier-1 save in flight at most"
         t0 = time.perf_counter()
         step = state.step

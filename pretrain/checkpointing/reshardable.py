@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain.checkpointing.async_writer import killed_by_signal
@@ -289,8 +291,6 @@ class ReshardableCheckpoints:
 def _new_queue() -> Any:
     """Megatron's queue of background dist-checkpoint writes: each one a forked process (its
     copy-on-write memory is the snapshot); the persistent worker shares memory (torn on CPU)."""
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
     return AsyncCallsQueue(persistent=False)
 
 
@@ -331,8 +331,6 @@ def wait_for_writer_warmup() -> None:
 
 
 def _warm_up_writer(abandoned: threading.Thread | None, stale: bool) -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if abandoned is not None:
         abandoned.join()  # it would overwrite the global below
     if stale:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
@@ -15,12 +16,15 @@ from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
-from pretrain.config import Config
+from pretrain.config import Config, s3_owner
 from pretrain.errors import FreshStartRefused
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.runlog import run_dir
 from tiering.collective import Collective
 from tiering.fsio import atomic_write_bytes
+from tiering.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
+from tiering.peer_restore import PeerPlanResult, PeerRestore
+from tiering.remote import LeaseError, RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ class TieredCheckpointer:
         coll: Collective,
         attempt: str,
         topology: dict[str, int],
-        record_event: Any = None,
+        record_event: Callable[..., None] | None = None,
         phases: PhaseRecord | None = None,
     ) -> None:
         self.phases = phases
@@ -54,13 +58,9 @@ class TieredCheckpointer:
         if cfg.checkpoint.reshardable.enabled:
             self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event, phases=phases)
 
-    def _open_remote(self) -> Any:
+    def _open_remote(self) -> RemoteTier:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
         store only warns (the uploader, not the trainer, writes to it)."""
-        from pretrain.config import s3_owner
-        from tiering.objectstore import ObjectStoreError, open_store
-        from tiering.remote import LeaseError, RemoteTier
-
         s3 = self.cfg.checkpoint.s3
         store, prefix = open_store(
             s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header, max_attempts=2
@@ -167,8 +167,6 @@ class TieredCheckpointer:
             if steps:
                 where.append(f"reshardable {self.reshardable.tier.layout.run_dir} steps {steps}")
         if self.coll.rank == 0 and self.remote is not None:
-            from tiering.objectstore import ObjectStoreError  # boto3: only when the S3 tier is on
-
             try:
                 steps = self.remote.committed_steps()
             except ObjectStoreError as exc:
@@ -274,8 +272,6 @@ class TieredCheckpointer:
         downloads and verifies it into the reshardable tier (falling back to older S3 steps)."""
         if self.remote is None or self.reshardable is None:
             return None
-        from tiering.objectstore import ObjectStoreError
-
         got = None
         if self.coll.rank == 0:
             try:
@@ -299,8 +295,8 @@ class TieredCheckpointer:
 
     def _load_peer(
         self,
-        peer: Any,
-        plan: Any,
+        peer: PeerRestore,
+        plan: PeerPlanResult,
         state: TrainingState,
         t0: float,
         notes: list[str],
@@ -338,7 +334,5 @@ class TieredCheckpointer:
 
 def _step_named(reason: str, default: int) -> int:
     """The step a rejection reason is about (its path names ``step-NNNNNNNNN``)."""
-    import re
-
     m = re.search(r"step-(\d+)", reason)
     return int(m.group(1)) if m else default

@@ -32,19 +32,8 @@ FT_CONFIG = {
 }
 
 
-def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
-    work = Path(workdir).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    data_prefix = work / "data" / "corpus"
-    print(f"[demo] preparing a synthetic corpus at {data_prefix}", flush=True)
-    subprocess.run(
-        [sys.executable, "-m", "pretrain", "prepare-data", "--synthetic-mb", "1", "--output", str(data_prefix)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    settings = [
+def _settings(work: Path, data_prefix: Path, overrides: list[str]) -> list[str]:
+    return [
         f"run.dir={work / 'runs'}",
         "run.id=demo",
         f"data.prefix={data_prefix}",
@@ -62,15 +51,10 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
         "fault_tolerance.inject.kill_at_step=37",
         *overrides,
     ]
-    cfg = load_config(config, settings)  # validate here: a bad override fails before any launch
-    cfg_path = work / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    ft_path = work / "ft.yaml"
-    ft_path.write_text(yaml.safe_dump(FT_CONFIG))
-    cmd = ft_launcher_command(cfg_path, nproc=2, ft_config=ft_path, max_restarts=3)
-    print("[demo] " + " ".join(cmd), flush=True)
-    # NVRx puts unix sockets under TMPDIR: keep the path short (AF_UNIX allows ~108 bytes).
-    env = {**os.environ, "TMPDIR": tempfile.mkdtemp(prefix="rp-demo-", dir="/tmp"), "PYTHONWARNINGS": "ignore"}
+
+
+def _train_with_uploader(work: Path, cfg_path: Path, cmd: list[str], env: dict[str, str]) -> tuple[int, float]:
+    """The training job under ft_launcher, the uploader beside it; (launcher exit code, wall seconds)."""
     upload_cmd = [sys.executable, "-m", "pretrain", "upload", "--config", str(cfg_path)]
     print(f"[demo] uploader running: {' '.join(upload_cmd)} --watch", flush=True)
     t0 = time.perf_counter()
@@ -87,16 +71,41 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
         wall = time.perf_counter() - t0
         uploader.terminate()
         uploader.wait(timeout=60)
-    flush = subprocess.run([*upload_cmd, "--once"], capture_output=True, text=True, env=env)
-    promoted = (
-        sorted(
-            int(p.name.split("-")[1])
-            for p in (work / "s3" / "demo" / "steps").glob("step-*")
-            if (p / "COMMITTED").is_file()
-        )
-        if (work / "s3" / "demo" / "steps").is_dir()
-        else []
+    return rc, wall
+
+
+def _promoted(work: Path) -> list[int]:
+    steps = work / "s3" / "demo" / "steps"
+    if not steps.is_dir():
+        return []
+    return sorted(int(p.name.split("-")[1]) for p in steps.glob("step-*") if (p / "COMMITTED").is_file())
+
+
+def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
+    work = Path(workdir).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    data_prefix = work / "data" / "corpus"
+    print(f"[demo] preparing a synthetic corpus at {data_prefix}", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "pretrain", "prepare-data", "--synthetic-mb", "1", "--output", str(data_prefix)],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
+    cfg = load_config(config, _settings(work, data_prefix, overrides))  # a bad override fails before any launch
+    cfg_path = work / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    ft_path = work / "ft.yaml"
+    ft_path.write_text(yaml.safe_dump(FT_CONFIG))
+    cmd = ft_launcher_command(cfg_path, nproc=2, ft_config=ft_path, max_restarts=3)
+    print("[demo] " + " ".join(cmd), flush=True)
+    # NVRx puts unix sockets under TMPDIR: keep the path short (AF_UNIX allows ~108 bytes).
+    env = {**os.environ, "TMPDIR": tempfile.mkdtemp(prefix="rp-demo-", dir="/tmp"), "PYTHONWARNINGS": "ignore"}
+    rc, wall = _train_with_uploader(work, cfg_path, cmd, env)
+    upload_cmd = [sys.executable, "-m", "pretrain", "upload", "--config", str(cfg_path), "--once"]
+    flush = subprocess.run(upload_cmd, capture_output=True, text=True, env=env)
+    promoted = _promoted(work)
     report = summarize(work / "runs" / "demo")
     print()
     print(format_report(report))

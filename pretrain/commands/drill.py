@@ -146,13 +146,28 @@ class Drill:
             stdout=subprocess.DEVNULL,
             env=self.env,
         )
-        # 1. baseline
+        base = self._baseline()
+        self._kill_and_recover(base)
+        self._restart_after_150()
+        self._bad_step_200()
+        attempts = self._three_failures()
+        self._collect_numbers(attempts)
+        rep.wall_seconds = time.perf_counter() - t0
+        return rep
+
+    def _baseline(self) -> dict[int, dict[str, Any]]:
+        """1. the uninterrupted baseline."""
+        rep = self.report
         base_cfg = self._config("baseline", **{"train.steps": TOTAL})
         rc = self._torchrun(base_cfg, "1-baseline")
         base = {m["step"]: m for m in self._jsonl("baseline", "metrics.jsonl")}
         rep.check("baseline", rc == 0 and max(base, default=0) == TOTAL, f"{len(base)} steps, exit {rc}")
+        return base
 
-        # 2. kill near step 135 -> recover step 100, match the baseline
+    def _kill_and_recover(self, base: dict[int, dict[str, Any]]) -> None:
+        """2. kill at step 135, a second kill while the restarted group loads -> recover step 100,
+        match the baseline."""
+        rep = self.report
         cfg2 = self._config(
             "drill",
             **{
@@ -185,6 +200,10 @@ class Drill:
             f"{second.get('evidence')}; the third attempt restored {got[-1] if got else None}",
         )
         rep.check("no-orphans", not self._orphans(cfg2), f"leftover processes: {self._orphans(cfg2) or 'none'}")
+        self._check_matches(base, restores, cfg2)
+
+    def _check_matches(self, base: dict[int, dict[str, Any]], restores: list[dict[str, Any]], cfg2: Path) -> None:
+        rep = self.report
         drill = {m["step"]: m for m in self._jsonl("drill", "metrics.jsonl")}
         first_new = [
             m for m in self._jsonl("drill", "metrics.jsonl") if restores and m["attempt"] == restores[0]["attempt"]
@@ -208,13 +227,17 @@ class Drill:
             + ("equal the baseline bit for bit" if not diffs else f"differ at {diffs[:5]}"),
         )
 
-        # 3. a restart after step 150 loads step 150
+    def _restart_after_150(self) -> None:
+        """3. a restart after step 150 loads step 150."""
+        rep = self.report
         cfg3 = self._config("drill", **{"train.steps": 200})
         rc = self._torchrun(cfg3, "3-restart-after-150")
         got = [(r["step"], r["tier"]) for r in self._restores("drill")][1:]
         rep.check("step-150-loads", rc == 0 and got == [(150, "local")], f"restores {got}, exit {rc}")
 
-        # 4. step 200 damaged in every copy -> rejected, recovery from 150
+    def _bad_step_200(self) -> None:
+        """4. step 200 damaged in every copy -> rejected, recovery from 150."""
+        rep = self.report
         damaged = self._damage_step_200()
         cfg4 = self._config("drill", **{"train.steps": 210})
         rc = self._torchrun(cfg4, "4-bad-step-200")
@@ -231,7 +254,9 @@ class Drill:
             f"({'; '.join(r[:160] for r in rejected)}); quarantined {quarantined}",
         )
 
-        # 5. three consecutive failures -> the job stops and says so
+    def _three_failures(self) -> list[dict[str, Any]]:
+        """5. three consecutive identical failures -> the job stops and says so."""
+        rep = self.report
         cfg5 = self._config(
             "drill",
             **{
@@ -250,10 +275,7 @@ class Drill:
             rc != 0 and stop.exists() and tail == ["failed", "failed", "failed", "stopped"],
             f"last attempts {tail}; {json.loads(stop.read_text())['reason'] if stop.exists() else 'no STOP.json'}",
         )
-
-        self._collect_numbers(attempts)
-        rep.wall_seconds = time.perf_counter() - t0
-        return rep
+        return attempts
 
     def _manifest(self, run_id: str, rank: int, step: int) -> dict[str, Any]:
         path = (

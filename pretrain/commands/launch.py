@@ -29,7 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.config import load_config
 from pretrain.errors import LaunchError
+from pretrain.resilience.job_policy import refuse_if_stopped
+from pretrain.runlog import run_dir
 
 
 @dataclass
@@ -250,10 +253,6 @@ def launch(
     env: Mapping[str, str] | None = None,
     launcher: str | None = None,
 ) -> int:
-    from pretrain.config import load_config
-    from pretrain.resilience.job_policy import refuse_if_stopped
-    from pretrain.runlog import run_dir
-
     env = os.environ if env is None else env
     plan = plan_from_env(env)
     # The config is checked here so a typo fails before any node starts; its emergency-save

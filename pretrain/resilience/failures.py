@@ -17,7 +17,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from pretrain.errors import DataError, NonFiniteError, PreemptedError
+from pretrain.errors import ConfigError, DataError, NonFiniteError, PreemptedError
+from tiering.errors import CheckpointError
 
 
 class Classification(str, Enum):
@@ -67,10 +68,7 @@ def _one_line(exc: BaseException) -> str:
 
 def classify(exc: BaseException) -> FailureInfo:
     """Map an exception that ended a rank to a :class:`Classification`."""
-    import torch.distributed as dist
-
-    from pretrain.errors import ConfigError
-    from tiering.errors import CheckpointError
+    import torch.distributed as dist  # deferred: `pretrain status` reads failures without torch
 
     tail = "".join(traceback.format_exception(exc)[-3:])[-1200:]
     message = _one_line(exc)

@@ -24,7 +24,10 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from nvidia_resiliency_ext import inprocess
 
+from pretrain.checkpointing.reshardable import reset_writer
 from pretrain.config import Config
 from pretrain.resilience.collective_abort import IncarnationConnections
 from pretrain.resilience.restarts import INCARNATION_ENV
@@ -37,10 +40,6 @@ def _seconds(value: float) -> datetime.timedelta:
 
 
 def _reset_training_state() -> None:
-    from megatron.core import parallel_state
-
-    from pretrain.checkpointing.reshardable import reset_writer
-
     reset_writer()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -77,7 +76,6 @@ def _freeze_long_lived_objects() -> None:
 
 def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
     """Run ``body`` (one attempt, process group already up) under the in-process Wrapper."""
-    from nvidia_resiliency_ext import inprocess
 
     class ResetTrainingState(inprocess.finalize.Finalize):
         """Plain (unthreaded) finalize: Megatron parallel state and process groups down."""

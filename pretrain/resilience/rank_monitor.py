@@ -8,14 +8,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
+
 from pretrain.config import Config
 
 log = logging.getLogger(__name__)
-
-try:
-    from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
-except ImportError:  # pragma: no cover - NVRx is a hard dependency; keep the name stable anyway
-    FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR = "FT_RANK_MONITOR_IPC_SOCKET"
 
 
 class RankMonitor:
@@ -38,8 +36,6 @@ class RankMonitor:
         # every process, so NVRx's rank monitor may die before this rank reaches its emergency save.
         self.leaving: Callable[[], bool] = lambda: False
         if cfg.fault_tolerance.enabled and os.environ.get(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR):
-            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
             self._first_message()
