@@ -124,12 +124,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def two_node_launch(
-    tmp: Path, overrides: list[str], max_restarts: int, timeout: int = 420, nproc: int = 2
-) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Two ft_launcher agents on this machine as two simulated nodes (c10d rendezvous).
+def start_nodes(
+    tmp: Path, overrides: list[str], max_restarts: int, nproc: int = 2, named: bool = True
+) -> dict[str, subprocess.Popen[str]]:
+    """Two ft_launcher agents on this machine as two simulated nodes (c10d rendezvous), started.
 
     Node ``node-a`` is failure domain ``rack-a`` with local root ``tmp/local-node-a``; likewise b.
+    ``named=False``: no NODE_NAME (both report this host's name).
     """
     from pretrain.commands.ft_command import ft_launcher_command
 
@@ -147,21 +148,37 @@ def two_node_launch(
             nnodes=2,
         )
         env = job_env(tmp / node)
-        env.update(NODE_NAME=node, FAILURE_DOMAIN=node.replace("node", "rack"))
+        for var in ("NODE_NAME", "SLURMD_NODENAME", "FAILURE_DOMAIN"):
+            env.pop(var, None)
+        if named:
+            env.update(NODE_NAME=node, FAILURE_DOMAIN=node.replace("node", "rack"))
         procs[node] = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp
         )
+    return procs
+
+
+def wait_nodes(tmp: Path, procs: dict[str, subprocess.Popen[str]], timeout: int = 420) -> dict[str, str]:
+    """Each node's output once it exited (also in ``tmp/<node>.log``); kills every node on a timeout."""
     out = {}
-    for node, proc in procs.items():
-        try:
-            stdout, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            raise
-        (tmp / f"{node}.log").write_text(stdout)
-        out[node] = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
+    try:
+        for node, proc in procs.items():
+            out[node] = proc.communicate(timeout=timeout)[0]
+            (tmp / f"{node}.log").write_text(out[node])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
     return out
+
+
+def two_node_launch(
+    tmp: Path, overrides: list[str], max_restarts: int, timeout: int = 420, nproc: int = 2
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """:func:`start_nodes` then :func:`wait_nodes`."""
+    procs = start_nodes(tmp, overrides, max_restarts, nproc)
+    outs = wait_nodes(tmp, procs, timeout)
+    return {n: subprocess.CompletedProcess(p.args, p.returncode, outs[n], "") for n, p in procs.items()}
 
 
 def probe_restore(tmp: Path, nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess[str]:

@@ -6,13 +6,11 @@ name are refused at start."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from pretrain.commands.ft_command import ft_launcher_command
-from tests.helpers import FT_CPU, TINY, events, free_port, job_env, overrides_for, torchrun
+from tests.helpers import events, overrides_for, start_nodes, torchrun, wait_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -51,27 +49,11 @@ def test_committed_steps_that_no_rank_set_can_load_refuse_a_fresh_start(tmp_path
 def test_two_launchers_reporting_one_node_name_are_refused(tmp_path: Path, corpus: Path) -> None:
     """Two nodes whose hosts share a hostname and have no NODE_NAME: refused before any restore."""
     over = overrides_for(tmp_path, corpus, **{"train.steps": 20})
-    port = free_port()
-    procs = []
-    for node in ("a", "b"):
-        cmd = ft_launcher_command(
-            TINY,
-            nproc=1,
-            ft_config=FT_CPU,
-            max_restarts=0,
-            overrides=[*over, f"checkpoint.local.dir={tmp_path / f'local-{node}'}"],
-            rdzv_port=port,
-            nnodes=2,
-        )
-        env = job_env(tmp_path / node)
-        for var in ("NODE_NAME", "SLURMD_NODENAME"):
-            env.pop(var, None)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    (tmp_path / "nodes.log").write_text("\n".join(outs))
-    assert all(p.returncode != 0 for p in procs)
+    procs = start_nodes(tmp_path, over, max_restarts=0, nproc=1, named=False)
+    outs = list(wait_nodes(tmp_path, procs, timeout=240).values())
+    assert all(p.returncode != 0 for p in procs.values())
     text = "\n".join(outs)
     refusals = [x for x in text.splitlines() if "both report node name" in x and "failed" in x]
     assert refusals, text[-3000:]
     assert "node 0 (host " in refusals[0] and "node 1 (host " in refusals[0] and "fix: set NODE_NAME" in refusals[0]
-    assert not (tmp_path / "local-a" / "t" / "ranks").exists() and not (tmp_path / "local-b" / "t" / "ranks").exists()
+    assert not any((tmp_path / f"local-{n}" / "t" / "ranks").exists() for n in procs), "refused before any save"

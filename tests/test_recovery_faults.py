@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
-from tests.helpers import FT_CPU, TINY, events, free_port, job_env, metrics_by_step, overrides_for, run, torchrun
+from tests.helpers import FT_CPU, TINY, events, metrics_by_step, overrides_for, run, start_nodes, torchrun, wait_nodes
 from tests.outside import Fault, PhaseKiller
 
 pytestmark = pytest.mark.slow
@@ -194,36 +193,19 @@ def test_kills_during_a_peer_transfer(tmp_path: Path, corpus: Path, baseline: di
         },
     )
     killer = PhaseKiller(run_dir, faults)
-    port = free_port()
-    procs = {}
-    for node in ("node-a", "node-b"):
-        cmd = ft_launcher_command(
-            TINY,
-            nproc=1,
-            ft_config=FT_CPU,
-            max_restarts=3,
-            overrides=[*over, f"checkpoint.local.dir={job / f'local-{node}'}"],
-            rdzv_port=port,
-            nnodes=2,
-        )
-        env = job_env(job / node)
-        env.update(NODE_NAME=node, FAILURE_DOMAIN=node.replace("node", "rack"))
-        procs[node] = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=job
-        )
+    procs = start_nodes(job, over, max_restarts=3, nproc=1)
     try:
         # node-b's disk is lost with it: wiped as soon as the job records the kill, before the restart.
         _wait_for_injected_kill(run_dir)
         shutil.rmtree(wiped)
         killer.start()
-        for node, proc in procs.items():
-            out, _ = proc.communicate(timeout=420)
-            (job / f"{node}.log").write_text(out)
-            assert proc.returncode == 0, out[-4000:]
+        outs = wait_nodes(job, procs)
     finally:
         killer.stop()
         for proc in procs.values():
             proc.kill()
+    for node, proc in procs.items():
+        assert proc.returncode == 0, outs[node][-4000:]
     assert killer.error is None, killer.error
     _assert_bit_exact(run_dir, baseline, 11)
     ev = events(run_dir)

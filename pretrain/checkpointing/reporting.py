@@ -5,6 +5,7 @@ that ``checkpoint.on_save_error: stop`` turns a failed save into the job's failu
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tiered import TieredCheckpointer
@@ -15,22 +16,14 @@ from pretrain.runlog import RunLog
 log = logging.getLogger("pretrain")
 
 
+@dataclass
 class SaveReport:
-    def __init__(
-        self,
-        tiers: TieredCheckpointer,
-        runlog: RunLog,
-        metrics: TrainingMetrics,
-        records: AttemptLog,
-        rank: int,
-        stop_on_error: bool,
-    ) -> None:
-        self.tiers = tiers
-        self.runlog = runlog
-        self.metrics = metrics
-        self.records = records
-        self.rank = rank
-        self.stop_on_error = stop_on_error
+    tiers: TieredCheckpointer
+    runlog: RunLog
+    metrics: TrainingMetrics
+    records: AttemptLog
+    rank: int
+    stop_on_error: bool  # checkpoint.on_save_error: stop
 
     def queue_changed(self) -> None:
         self.metrics.queue_depth = self.metrics.uncommitted = self.tiers.in_flight_count()
