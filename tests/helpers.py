@@ -77,6 +77,12 @@ def run(cmd: list[str], tmp: Path, timeout: int, check: bool) -> subprocess.Comp
     return proc
 
 
+def run_verb(tmp: Path, verb: str, workdir: Path, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``pretrain <verb> --workdir <workdir>`` as a user runs it (demo, drill)."""
+    cmd = [PYTHON, "-m", "pretrain", verb, "--workdir", str(workdir)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(tmp))
+
+
 def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
     """Per-step metrics; a recomputed step keeps its last (post-restore) record."""
     out: dict[int, dict[str, Any]] = {}

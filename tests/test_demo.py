@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, job_env
+from tests.helpers import run_verb
 
 pytestmark = pytest.mark.slow
 
 
 def test_demo_recovers_and_prints_summary(tmp_path: Path) -> None:
     work = tmp_path / "demo"
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "demo", "--workdir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=job_env(tmp_path),
-    )
+    proc = run_verb(tmp_path, "demo", work, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for label in (
         "failure at step",

@@ -4,25 +4,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, job_env
+from tests.helpers import run_verb
 
 pytestmark = pytest.mark.slow
 
 
 def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
     work = tmp_path / "drill"
-    proc = subprocess.run(
-        [PYTHON, "-m", "pretrain", "drill", "--workdir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=360,
-        env=job_env(tmp_path),
-    )
+    proc = run_verb(tmp_path, "drill", work, timeout=360)
     report = json.loads((work / "drill-report.json").read_text())
     failed = [c for c in report["checks"] if not c["passed"]]
     assert proc.returncode == 0 and report["passed"] and not failed, failed or proc.stdout[-3000:]

@@ -67,17 +67,9 @@ class CheckpointManager:
             "restored" if restored.rng_restored else "re-seeded",
             restored.step + 1,
         )
-        runlog.event(
-            "restore",
-            tier=restored.tier,
-            step=restored.step,
-            seconds=restored.seconds,
-            verify_seconds=restored.verify_seconds,
-            rng_restored=restored.rng_restored,
-            rejected=[{"step": s, "reason": r} for s, r in restored.rejected],
-            per_rank=restored.per_rank,
-            notes=restored.notes,
-        )
+        fields = ("tier", "step", "seconds", "verify_seconds", "rng_restored", "per_rank", "notes")
+        rejected = [{"step": s, "reason": r} for s, r in restored.rejected]
+        runlog.event("restore", rejected=rejected, **{k: getattr(restored, k) for k in fields})
         return restored
 
     # -- every step ------------------------------------------------------------------------------

@@ -31,16 +31,8 @@ class SaveReport:
     def saved(self, saved: SaveResult, current_step: int) -> None:
         self.tiers.committed(saved.step)
         self.metrics.saved(saved.tier, saved.seconds)
-        self.runlog.event(
-            "save",
-            tier=saved.tier,
-            step=saved.step,
-            seconds=saved.seconds,
-            blocked_seconds=saved.blocked_seconds,
-            bytes=saved.bytes,
-            replication_seconds=saved.replication_seconds,
-            under_replicated=saved.under_replicated,
-        )
+        fields = ("tier", "step", "seconds", "blocked_seconds", "bytes", "replication_seconds", "under_replicated")
+        self.runlog.event("save", **{k: getattr(saved, k) for k in fields})
         self.records.progress(current_step, **{f"last_saved_{saved.tier}": saved.step})
         if self.rank == 0:
             extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
