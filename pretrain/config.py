@@ -123,11 +123,25 @@ class DataConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 2
     cache_dir: str | None = None
+    # Megatron's train,valid,test split of each prefix (weights, normalised): "98,2,0" holds out 2 %
+    # for validation. The default keeps everything for training.
+    split: str = "100,0,0"
     # Record every rank's consumed sample positions (data-audit/rank-N.jsonl) for exactness checks.
     audit: bool = False
 
     def check(self, fail: Fail) -> None:
         _positive(fail, global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            weights = []
+        if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+            fail("split", f"{self.split!r} is not three non-negative weights", "write train,valid,test, e.g. 98,2,0")
+
+    def split_weights(self) -> list[float]:
+        weights = [float(p) for p in self.split.replace("/", ",").split(",")]
+        return [w / sum(weights) for w in weights]
 
 
 @dataclass
@@ -429,6 +443,29 @@ class MetricsConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation loss on the valid split every ``interval`` steps (0: never), over ``iters`` global
+    batches. It draws no training randomness: a run with evaluation resumes bit-exactly."""
+
+    interval: int = 0
+    iters: int = 2
+
+    def check(self, fail: Fail) -> None:
+        if self.interval < 0 or self.iters < 1:
+            fail("interval", "interval must be >= 0 and iters >= 1", "e.g. eval.interval: 200, eval.iters: 10")
+
+
+@dataclass
+class LoggingConfig:
+    """Where rank 0 also writes TensorBoard scalars (Megatron-LM's tags); None: TensorBoard off."""
+
+    tensorboard_dir: str | None = None
+
+    def check(self, fail: Fail) -> None:
+        pass
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -440,6 +477,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
     def to_dict(self) -> dict[str, Any]:
@@ -460,6 +499,8 @@ class Config:
         self.checkpoint.check(fail.within("checkpoint"))
         self.fault_tolerance.check(fail.within("fault_tolerance"))
         self.metrics.check(fail.within("metrics"))
+        self.eval.check(fail.within("eval"))
+        self.logging.check(fail.within("logging"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,6 +633,12 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
         fail("parallel.sequence_parallel", "needs tp > 1", "enable tensor parallelism or disable it")
     if cfg.checkpoint.async_.mode == "fork" and cuda:
         fail("checkpoint.async.mode", "fork is unsafe in a CUDA process", "use thread (or auto)")
+    if cfg.eval.interval and cfg.data.split_weights()[1] == 0:
+        fail(
+            "data.split",
+            f"{cfg.data.split!r} leaves the valid split empty while eval.interval={cfg.eval.interval}",
+            "give the valid split a weight (e.g. data.split: 98,2,0) or set eval.interval: 0",
+        )
     inj = cfg.fault_tolerance.inject
     if inj.kill_rank >= world_size:
         fail(

@@ -61,6 +61,7 @@ class TrainingMetrics:
         self.step = 0
         self._step_seconds_ema: float | None = None
         self._last_step_time: float | None = None
+        self.validation: tuple[int, float] | None = None  # (step, loss) of the newest evaluation
 
     # -- updates from the training loop ---------------------------------------------------------
     def from_history(self, previous: list[dict[str, Any]]) -> None:
@@ -92,6 +93,10 @@ class TrainingMetrics:
             self._last_step_time = now
             self.step = step
             self.steps_now += 1
+
+    def validated(self, step: int, loss: float) -> None:
+        with self._lock:
+            self.validation = (step, loss)
 
     def saved(self, tier: str, seconds: float) -> None:
         with self._lock:
@@ -190,6 +195,13 @@ class TrainingMetrics:
             g = GaugeMetricFamily("training_step", "The step the model is at", labels=labels)
             g.add_metric(rid, self.step)
             yield g
+            if self.validation is not None:
+                g = GaugeMetricFamily("validation_loss", "Validation loss at the newest evaluation", labels=labels)
+                g.add_metric(rid, self.validation[1])
+                yield g
+                g = GaugeMetricFamily("validation_step", "The step of the newest evaluation", labels=labels)
+                g.add_metric(rid, self.validation[0])
+                yield g
 
 
 class MetricsServer:

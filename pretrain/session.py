@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from megatron.core import parallel_state
+from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
@@ -18,7 +19,7 @@ from torch import nn
 from pretrain.checkpointing.state import TrainingState
 from pretrain.checkpointing.tiered import TieredCheckpointer
 from pretrain.config import Config, data_parallel_size
-from pretrain.data.dataset import GlobalBatchSampler, build_train_dataset
+from pretrain.data.dataset import GlobalBatchSampler, build_datasets
 from pretrain.data.prepare import dataset_snapshot_id
 from pretrain.model import build_model, resolve_spec_name, transformer_config
 from pretrain.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
@@ -39,7 +40,8 @@ class Session:
     world: int
     attempt: str
     ddp: DistributedDataParallel
-    dataset: object  # Megatron's GPTDataset: indexable samples
+    dataset: GPTDataset  # the train split
+    valid: GPTDataset | None  # the valid split, when data.split gives it a weight
     state: TrainingState
     tiers: TieredCheckpointer
     runlog: RunLog
@@ -99,7 +101,7 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
     coll = TorchCollective()
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    dataset = build_train_dataset(cfg)
+    dataset, valid = build_datasets(cfg)
     tconfig = transformer_config(cfg)
     model = build_model(cfg, tconfig)
     ddp = _wrap_ddp(cfg, tconfig, model)
@@ -124,4 +126,4 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
     if monitor.wedged:
         runlog.event("rank_monitor_wedged", force=True, rank=rank, host=os.uname().nodename)
     tiers = TieredCheckpointer(cfg, coll, attempt, state.topology, record_event=runlog.event, phases=phases)
-    return Session(cfg, rank, world, attempt, ddp, dataset, state, tiers, runlog, monitor, phases)
+    return Session(cfg, rank, world, attempt, ddp, dataset, valid, state, tiers, runlog, monitor, phases)

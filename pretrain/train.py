@@ -15,7 +15,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,15 @@ from pretrain.checkpointing.reshardable import wait_for_writer_warmup
 from pretrain.checkpointing.state import RestoreResult
 from pretrain.config import Config, validate
 from pretrain.errors import JobStopped, NonFiniteError
+from pretrain.evaluation import Evaluator
+from pretrain.forward import forward_step, reduce_losses
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.runlog import append_jsonl, run_dir
 from pretrain.session import Session, build_session
+from pretrain.tensorboard_log import TensorBoardLog
 from tiering.collective import TorchCollective
 
 log = logging.getLogger("pretrain")
@@ -142,10 +144,14 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     loop = TrainingLoop(session, ctx, checkpointer, restored)
     first_step = session.state.step + 1
     t_start = time.perf_counter()
-    for step in range(first_step, cfg.train.steps + 1):
-        leave = loop.step(step, first=step == first_step)
-        checkpointer.after_step(step, leaving=leave)  # raises PreemptedError when leaving
-    checkpointer.finish()
+    try:
+        for step in range(first_step, cfg.train.steps + 1):
+            leave = loop.step(step, first=step == first_step)
+            checkpointer.after_step(step, leaving=leave)  # raises PreemptedError when leaving
+            loop.maybe_evaluate(step)
+        checkpointer.finish()
+    finally:
+        loop.tensorboard.close()
     elapsed = time.perf_counter() - t_start
     done = session.state.step - first_step + 1
     session.runlog.event("finish", step=session.state.step, steps=done, seconds=elapsed)
@@ -177,11 +183,30 @@ class TrainingLoop:
         self.forward_backward = get_forward_backward_func()
         self.first_step = session.state.step + 1
         self.window = (time.perf_counter(), 0)  # (start time, steps) of the throughput window
+        self.step_started = time.perf_counter()
+        self.tensorboard = TensorBoardLog(self.cfg.logging.tensorboard_dir, enabled=session.rank == 0)
+        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        valid = session.valid
+        self.evaluator = Evaluator(self.cfg, valid, session.ddp, dp_rank, dp_size) if valid is not None else None
+
+    def maybe_evaluate(self, step: int) -> None:
+        """Collective: validation loss when ``eval.interval`` says so, to every log."""
+        if self.evaluator is None or not self.evaluator.due(step):
+            return
+        loss = self.evaluator.loss()
+        ppl = math.exp(loss) if loss < 700 else float("inf")
+        s = self.session
+        s.runlog.metrics(kind="validation", step=step, loss=loss, perplexity=ppl, iters=self.cfg.eval.iters)
+        self.ctx.metrics.validated(step, loss)
+        self.tensorboard.validation(step, loss)
+        if s.rank == 0:
+            log.info("step %d | validation loss %.6f | perplexity %.3f", step, loss, ppl)
 
     def step(self, step: int, first: bool) -> bool:
         """Train ``step``; returns whether every rank agreed to leave (a preemption signal)."""
         s, cfg = self.session, self.cfg
         state, monitor = s.state, s.monitor
+        self.step_started = time.perf_counter()
         monitor.start("step")
         node = s.tiers.local.node if s.tiers.local is not None else None
         maybe_inject_fault(cfg, s.rank, step, s.runlog.event, node=node)
@@ -191,7 +216,7 @@ class TrainingLoop:
         if self.audit is not None:
             self.audit.record(step, state.sampler, state.consumed_samples)
         losses = self.forward_backward(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iter(microbatches),
             model=[s.ddp],
             num_microbatches=len(microbatches),
@@ -205,7 +230,7 @@ class TrainingLoop:
         state.step = step
         state.consumed_samples += cfg.data.global_batch_size
         state.consumed_tokens += cfg.data.global_batch_size * cfg.model.seq_length
-        loss, leave = _reduce_step(losses, self.ctx.watch.requested)
+        loss, leave = reduce_losses(losses, self.ctx.watch.requested)
         self._after(step, first, loss, grad_norm)
         return leave
 
@@ -227,6 +252,8 @@ class TrainingLoop:
                 ctx.phases.enter("training", first_step=step)
             ctx.records.first_step(step)
             ctx.metrics.recovered(ctx.records.record.get("lost_steps"), ctx.records.record.get("rto_seconds"))
+        tok_s = cfg.data.global_batch_size * cfg.model.seq_length / max(time.perf_counter() - self.step_started, 1e-9)
+        self.tensorboard.step(step, loss, lr, grad_norm, tok_s)
         self._log(step, loss, grad_norm, lr)
 
     def _log(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
@@ -274,30 +301,3 @@ class DataAudit:
                 "indices": [sampler.dataset_index(p) for p in positions],
             },
         )
-
-
-def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_masked_mean_loss, batch["loss_mask"])
-
-
-def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    losses = output.float().reshape(-1)
-    mask = loss_mask.float().reshape(-1)
-    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-    # clone: the schedule divides the returned loss in place by the number of micro-batches
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _reduce_step(losses: list[dict[str, torch.Tensor]], leave: bool) -> tuple[float, bool]:
-    """Mean micro-batch loss over the world (only last-stage ranks contribute), and whether any
-    rank was asked to leave: one all-reduce, so every rank agrees on the step to stop at."""
-    total = torch.zeros(3, dtype=torch.float64)
-    for item in losses or []:
-        total[0] += float(item["lm loss"])
-        total[1] += 1
-    total[2] = 1.0 if leave else 0.0
-    dist.all_reduce(total)
-    loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
-    return loss, bool(total[2] > 0)

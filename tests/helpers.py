@@ -84,11 +84,12 @@ def run_verb(tmp: Path, verb: str, workdir: Path, timeout: int) -> subprocess.Co
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Per-step metrics; a recomputed step keeps its last (post-restore) record."""
+    """Per-step training metrics; a recomputed step keeps its last (post-restore) record."""
     out: dict[int, dict[str, Any]] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec
+        if rec.get("kind", "train") == "train":  # validation records have their own kind
+            out[rec["step"]] = rec
     return out
 
 

@@ -39,7 +39,7 @@ def _rate(rows: list[dict[str, Any]]) -> float:
 
 def summarize(run_dir: Path) -> RunReport:
     events = read_jsonl(run_dir / "events.jsonl")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("kind", "train") == "train"]
     attempts: list[str] = []
     for e in events:
         if e["event"] == "start" and e["attempt"] not in attempts:

@@ -16,7 +16,12 @@ from pretrain.errors import DataError
 
 
 def build_train_dataset(cfg: Config) -> GPTDataset:
-    """One epoch of GPT samples (shuffled by Megatron with ``train.seed``); epochs are ours."""
+    """One epoch of GPT training samples (shuffled by Megatron with ``train.seed``); epochs are ours."""
+    return build_datasets(cfg)[0]
+
+
+def build_datasets(cfg: Config) -> tuple[GPTDataset, GPTDataset | None]:
+    """The train split and, when ``data.split`` gives it a weight, the valid split."""
     prefix = cfg.data.prefix
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
@@ -28,7 +33,7 @@ def build_train_dataset(cfg: Config) -> GPTDataset:
         random_seed=cfg.train.seed,
         sequence_length=cfg.model.seq_length,
         blend=([prefix], None),
-        split="100,0,0",
+        split=cfg.data.split.replace("/", ","),
         tokenizer=ByteTokenizer(),
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -36,12 +41,15 @@ def build_train_dataset(cfg: Config) -> GPTDataset:
         create_attention_mask=False,
         path_to_cache=cfg.data.cache_dir,
     )
-    train, _valid, _test = BlendedMegatronDatasetBuilder(
-        GPTDataset, [None, None, None], lambda: True, ds_config
-    ).build()
+    train, valid, _test = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, ds_config).build()
     if train is None or len(train) == 0:
         raise DataError(f"{prefix}.bin: no training samples of length {cfg.model.seq_length}; fix: add data")
-    return train
+    if cfg.data.split_weights()[1] > 0 and (valid is None or len(valid) == 0):
+        raise DataError(
+            f"{prefix}.bin: the valid split ({cfg.data.split}) holds no sample of length {cfg.model.seq_length}; "
+            "fix: give it a larger weight in data.split or add data"
+        )
+    return train, valid
 
 
 @dataclass
