@@ -117,12 +117,22 @@ class ParallelConfig:
 
 
 @dataclass
+class BlendPart:
+    """One dataset of a blend: a prepared ``prefix`` (``.bin``/``.idx``) and its weight."""
+
+    prefix: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     prefix: str = "runs/data/corpus"
     tokenizer: Literal["byte"] = "byte"
     global_batch_size: int = 8
     micro_batch_size: int = 2
     cache_dir: str | None = None
+    # Several prefixes with weights ([{prefix: ..., weight: ...}, ...]); when set, ``prefix`` is unused.
+    blend: list[BlendPart] = field(default_factory=list)
     # Megatron's train,valid,test split of each prefix (weights, normalised): "98,2,0" holds out 2 %
     # for validation. The default keeps everything for training.
     split: str = "100,0,0"
@@ -131,6 +141,11 @@ class DataConfig:
 
     def check(self, fail: Fail) -> None:
         _positive(fail, global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size)
+        for i, part in enumerate(self.blend):
+            if not part.prefix or part.weight < 0:
+                fail(f"blend[{i}]", "needs a prefix and a weight >= 0", "write {prefix: PATH, weight: W}")
+        if self.blend and sum(p.weight for p in self.blend) <= 0:
+            fail("blend", "every weight is zero", "give at least one dataset a positive weight")
         parts = self.split.replace("/", ",").split(",")
         try:
             weights = [float(p) for p in parts]
@@ -138,6 +153,10 @@ class DataConfig:
             weights = []
         if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
             fail("split", f"{self.split!r} is not three non-negative weights", "write train,valid,test, e.g. 98,2,0")
+
+    def prefixes(self) -> list[tuple[str, float]]:
+        """(prefix, weight) of every dataset trained on: the blend, or ``prefix`` alone."""
+        return [(p.prefix, p.weight) for p in self.blend if p.weight > 0] or [(self.prefix, 1.0)]
 
     def split_weights(self) -> list[float]:
         weights = [float(p) for p in self.split.replace("/", ",").split(",")]
@@ -588,6 +607,11 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
                 f"{source}: {key}={value!r} is not allowed; fix: use one of {', '.join(map(str, choices))}"
             )
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be a list; fix: write '- item' entries (or [a, b] inline)")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a mapping; fix: write 'key: value' entries")

@@ -11,16 +11,15 @@ import os
 from dataclasses import dataclass
 
 from megatron.core import parallel_state
-from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
+from torch.utils.data import Dataset
 
 from pretrain.checkpointing.state import TrainingState
 from pretrain.checkpointing.tiered import TieredCheckpointer
 from pretrain.config import Config, data_parallel_size
-from pretrain.data.dataset import GlobalBatchSampler, build_datasets
-from pretrain.data.prepare import dataset_snapshot_id
+from pretrain.data.dataset import GlobalBatchSampler, build_datasets, snapshot_id
 from pretrain.model import build_model, resolve_spec_name, transformer_config
 from pretrain.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
 from pretrain.rank_state import seed_everything
@@ -40,8 +39,8 @@ class Session:
     world: int
     attempt: str
     ddp: DistributedDataParallel
-    dataset: GPTDataset  # the train split
-    valid: GPTDataset | None  # the valid split, when data.split gives it a weight
+    dataset: Dataset  # the train split (one dataset or a blend)
+    valid: Dataset | None  # the valid split, when data.split gives it a weight
     state: TrainingState
     tiers: TieredCheckpointer
     runlog: RunLog
@@ -88,7 +87,7 @@ def _training_state(
         dp,
         cfg.train.seed,
     )
-    return TrainingState(cfg, model, optimizer, scheduler, sampler, topology, dataset_snapshot_id(cfg.data.prefix))
+    return TrainingState(cfg, model, optimizer, scheduler, sampler, topology, snapshot_id(cfg))
 
 
 def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: PhaseRecord | None = None) -> Session:

@@ -1,7 +1,9 @@
-"""Megatron ``GPTDataset`` over a prepared indexed dataset, plus the resumable batch sampler."""
+"""Megatron ``GPTDataset``s over prepared indexed datasets (one prefix or a weighted blend), their
+train/valid splits, and the resumable batch sampler."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,25 +11,26 @@ import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from torch.utils.data import Dataset
 
 from pretrain.config import Config
+from pretrain.data.blend import BlendedSamples
+from pretrain.data.prepare import dataset_snapshot_id
 from pretrain.data.tokenizer import ByteTokenizer
 from pretrain.errors import DataError
 
 
-def build_train_dataset(cfg: Config) -> GPTDataset:
+def build_train_dataset(cfg: Config) -> Dataset:
     """One epoch of GPT training samples (shuffled by Megatron with ``train.seed``); epochs are ours."""
     return build_datasets(cfg)[0]
 
 
-def build_datasets(cfg: Config) -> tuple[GPTDataset, GPTDataset | None]:
-    """The train split and, when ``data.split`` gives it a weight, the valid split."""
-    prefix = cfg.data.prefix
+def _split_of(cfg: Config, prefix: str) -> tuple[GPTDataset, GPTDataset | None]:
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
             raise DataError(
                 f"{prefix}{suffix}: dataset file not found; fix: run "
-                f"'pretrain prepare-data --output {prefix} ...' or set data.prefix"
+                f"'pretrain prepare-data --output {prefix} ...' or correct data.prefix / data.blend"
             )
     ds_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
@@ -50,6 +53,30 @@ def build_datasets(cfg: Config) -> tuple[GPTDataset, GPTDataset | None]:
             "fix: give it a larger weight in data.split or add data"
         )
     return train, valid
+
+
+def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
+    """The train split and, when ``data.split`` gives it a weight, the valid split: of ``data.prefix``,
+    or of every dataset of ``data.blend`` blended by weight (:class:`BlendedSamples`)."""
+    parts = cfg.data.prefixes()
+    splits = [_split_of(cfg, prefix) for prefix, _ in parts]
+    if len(splits) == 1:
+        return splits[0]
+    weights = [w for _, w in parts]
+    train = BlendedSamples([t for t, _ in splits], weights)
+    valids = [v for _, v in splits]
+    valid = BlendedSamples(valids, weights) if all(v is not None for v in valids) else None
+    return train, valid
+
+
+def snapshot_id(cfg: Config) -> str:
+    """Identity of the training data: the index digest of ``data.prefix``, or of every blended
+    dataset with its weight."""
+    parts = cfg.data.prefixes()
+    if len(parts) == 1:
+        return dataset_snapshot_id(parts[0][0])
+    joined = ";".join(f"{dataset_snapshot_id(p)}*{w}" for p, w in parts)
+    return "blend:sha256:" + hashlib.sha256(joined.encode()).hexdigest()
 
 
 @dataclass
@@ -104,7 +131,7 @@ class GlobalBatchSampler:
             self._perm_epoch = epoch
         return int(self._perm[offset])
 
-    def microbatches(self, dataset: GPTDataset, consumed: int) -> list[dict[str, torch.Tensor]]:
+    def microbatches(self, dataset: Dataset, consumed: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches for the global batch that starts at ``consumed``."""
         positions = list(self.global_positions(consumed))
         out = []
