@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from pretrain.config import Config
+from pretrain.config import Config, resolve_vocab_size
 from pretrain.data.dataset import GlobalBatchSampler
+from pretrain.data.tokenizer import tokenizer_identity
 from pretrain.errors import IncompatibleCheckpoint
 from pretrain.optim import TrainOptimizer
 from pretrain.rank_state import seed_everything
@@ -90,7 +91,7 @@ def trainer_state(state: TrainingState) -> dict[str, Any]:
         "scheduler": state.scheduler.state_dict(),
         "grad_scaler": None,  # fp32/bf16 training uses no loss scaling
         "topology": dict(state.topology),
-        "config": state.cfg.to_dict(),
+        "config": _config_with_vocab(state.cfg),
         "code_version": code_version(),
         "dataset_snapshot": state.dataset_snapshot,
         "extra": dict(state.extra),
@@ -114,9 +115,16 @@ def apply_trainer_state(state: TrainingState, trainer: dict[str, Any], path: Pat
         )
 
 
+def _config_with_vocab(cfg: Config) -> dict[str, Any]:
+    """The config as saved: ``model.vocab_size`` resolved, so a derived vocabulary is compared by its size."""
+    out = cfg.to_dict()
+    out["model"]["vocab_size"] = resolve_vocab_size(cfg)
+    return out
+
+
 def check_compatible(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
     saved = trainer["config"]["model"]
-    now = cfg.to_dict()["model"]
+    now = _config_with_vocab(cfg)["model"]
     diff = [k for k in ARCH_KEYS if saved.get(k) != now.get(k)]
     if diff:
         key = diff[0]
@@ -145,6 +153,7 @@ def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **e
             "consumed_samples": state.consumed_samples,
             "consumed_tokens": state.consumed_tokens,
             "attempt": attempt,
+            "tokenizer": tokenizer_identity(cfg.data.tokenizer, cfg.data.tokenizer_path),
             **extra,
         },
     )

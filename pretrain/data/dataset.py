@@ -11,7 +11,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from pretrain.config import Config
-from pretrain.data.tokenizer import ByteTokenizer
+from pretrain.data.tokenizer import load_tokenizer
 from pretrain.errors import DataError
 
 
@@ -29,7 +29,7 @@ def build_train_dataset(cfg: Config) -> GPTDataset:
         sequence_length=cfg.model.seq_length,
         blend=([prefix], None),
         split="100,0,0",
-        tokenizer=ByteTokenizer(),
+        tokenizer=load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
