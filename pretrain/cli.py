@@ -35,7 +35,10 @@ def _prepare(args: argparse.Namespace) -> int:
         return 2
     missing = [f for f in args.input or [] if not Path(f).is_file()]
     if missing:
-        print(f"pretrain prepare-data: {missing[0]}: no such file; fix: pass existing text files", file=sys.stderr)
+        print(
+            f"pretrain prepare-data: {missing[0]}: no such file; fix: pass existing text or JSONL files",
+            file=sys.stderr,
+        )
         return 2
     try:
         counts = prepare_data(

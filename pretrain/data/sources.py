@@ -111,12 +111,6 @@ def read_documents(
             yield from text_documents(path)
 
 
-def documents_from_files(paths: Iterable[Path]) -> Iterator[str]:
-    """One document per blank-line separated paragraph of text files."""
-    for path in paths:
-        yield from text_documents(path)
-
-
 def synthetic_documents(megabytes: float, seed: int = 0) -> Iterator[str]:
     """A deterministic English-like corpus for demos and tests (no download)."""
     rng = random.Random(seed)
