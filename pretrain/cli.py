@@ -1,4 +1,5 @@
-"""``pretrain`` command line: train (the rank program), prepare-data, demo, and the uploader and GC of a config."""
+"""``pretrain`` command line: train (the rank program), prepare-data, train-tokenizer, demo, and the uploader and GC
+of a config."""
 
 from __future__ import annotations
 
@@ -26,30 +27,65 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from pretrain.data.prepare import (
-        build_indexed_dataset,
-        dataset_snapshot_id,
-        documents_from_files,
-        synthetic_documents,
-    )
+    from pretrain.data.prepare import dataset_snapshot_id, prepare_data
+    from pretrain.errors import DataError
 
     if bool(args.input) == (args.synthetic_mb is not None):
         print("pretrain prepare-data: give --input FILES or --synthetic-mb N (one of them)", file=sys.stderr)
         return 2
     missing = [f for f in args.input or [] if not Path(f).is_file()]
     if missing:
-        print(f"pretrain prepare-data: {missing[0]}: no such file; fix: pass existing text files", file=sys.stderr)
+        print(
+            f"pretrain prepare-data: {missing[0]}: no such file; fix: pass existing text or JSONL files",
+            file=sys.stderr,
+        )
         return 2
-    docs = (
-        synthetic_documents(args.synthetic_mb, args.seed)
-        if args.synthetic_mb is not None
-        else documents_from_files(Path(f) for f in args.input)
-    )
-    counts = build_indexed_dataset(docs, args.output)
+    try:
+        counts = prepare_data(
+            args.output,
+            args.input or (),
+            args.synthetic_mb,
+            args.seed,
+            args.tokenizer,
+            args.tokenizer_path,
+            args.json_key,
+            args.skip_bad_lines,
+            args.workers,
+            progress=not args.no_progress,
+        )
+    except DataError as exc:
+        print(f"pretrain prepare-data: {exc}", file=sys.stderr)
+        return 2
+    skipped = f", skipped {counts['skipped_lines']} bad JSONL lines" if counts["skipped_lines"] else ""
     print(
-        f"wrote {args.output}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens, "
-        f"snapshot {dataset_snapshot_id(args.output)}"
+        f"wrote {args.output}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens "
+        f"({args.tokenizer}, vocab {counts['vocab_size']}){skipped}, snapshot {dataset_snapshot_id(args.output)}"
     )
+    return 0
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from pretrain.data.train_tokenizer import train_bpe_tokenizer
+    from pretrain.errors import DataError
+
+    missing = [f for f in args.input if not Path(f).is_file()]
+    if missing:
+        print(f"pretrain train-tokenizer: {missing[0]}: no such file; fix: pass existing files", file=sys.stderr)
+        return 2
+    try:
+        ident = train_bpe_tokenizer(
+            args.input,
+            args.vocab_size,
+            args.output,
+            args.special_tokens or (),
+            args.json_key,
+            args.min_frequency,
+            args.skip_bad_lines,
+        )
+    except DataError as exc:
+        print(f"pretrain train-tokenizer: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: vocab {ident['vocab_size']}, eod id {ident['eod']}, sha256 {ident['sha256']}")
     return 0
 
 
@@ -153,6 +189,35 @@ def _add_tier3_commands(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=_gc)
 
 
+def _add_data_commands(sub: argparse._SubParsersAction) -> None:
+    """``pretrain prepare-data`` and ``pretrain train-tokenizer``."""
+    kinds = ("byte", "huggingface", "sentencepiece")
+    d = sub.add_parser("prepare-data", help="tokenize text/JSONL files into a Megatron indexed dataset")
+    d.add_argument("--input", nargs="+", help="text files (blank lines separate documents) or .jsonl files")
+    d.add_argument("--synthetic-mb", type=float, help="generate a deterministic synthetic corpus of N MB instead")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
+    d.add_argument("--tokenizer", choices=kinds, default="byte", help="as data.tokenizer (default: byte)")
+    d.add_argument("--tokenizer-path", help="local tokenizer.json (huggingface) or .model (sentencepiece)")
+    d.add_argument("--json-key", default="text", help="the text field of .jsonl/.json/.ndjson lines")
+    d.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) JSONL lines without text")
+    d.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any N)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    d.set_defaults(func=_prepare)
+
+    tt = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json on local files (offline)")
+    tt.add_argument("--input", nargs="+", required=True, help="text files or .jsonl files")
+    tt.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, special tokens included")
+    tt.add_argument("--output", required=True, help="the tokenizer.json to write")
+    tt.add_argument(
+        "--special-tokens", nargs="+", metavar="TOKEN", help="first ids; <|endoftext|> is added if no EOS is given"
+    )
+    tt.add_argument("--json-key", default="text", help="the text field of .jsonl/.json/.ndjson lines")
+    tt.add_argument("--min-frequency", type=int, default=2, help="a merge needs a pair seen this often")
+    tt.add_argument("--skip-bad-lines", action="store_true", help="skip JSONL lines without text")
+    tt.set_defaults(func=_train_tokenizer)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,12 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     t.set_defaults(func=_train)
 
-    d = sub.add_parser("prepare-data", help="build a Megatron indexed dataset with the byte tokenizer")
-    d.add_argument("--input", nargs="+", help="text files; blank lines separate documents")
-    d.add_argument("--synthetic-mb", type=float, help="generate a deterministic synthetic corpus of N MB instead")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
-    d.set_defaults(func=_prepare)
+    _add_data_commands(sub)
 
     la = sub.add_parser("launch", help="derive the node's place from Slurm/Kubernetes and exec ft_launcher")
     la.add_argument("--config", required=True)

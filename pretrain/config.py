@@ -21,6 +21,7 @@ from typing import Any, Literal, NoReturn, Union
 
 import yaml
 
+from pretrain.data.tokenizer_files import tokenizer_vocab_size
 from pretrain.errors import ConfigError
 from pretrain.resilience.phases import parse_holds
 from pretrain.resilience.preemption import parse_signals
@@ -71,7 +72,8 @@ class ModelConfig:
     num_query_groups: int | None = None
     ffn_hidden_size: int | None = None
     seq_length: int = 128
-    vocab_size: int = 257
+    # None: the tokenizer's vocabulary (byte: 257); a set value must not be smaller than it.
+    vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -91,8 +93,10 @@ class ModelConfig:
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
             seq_length=self.seq_length,
-            vocab_size=self.vocab_size,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
         )
+        if self.vocab_size is not None:
+            _positive(fail, vocab_size=self.vocab_size)
         if self.hidden_size % self.num_attention_heads:
             fail(
                 "num_attention_heads",
@@ -127,7 +131,10 @@ class BlendPart:
 @dataclass
 class DataConfig:
     prefix: str = "runs/data/corpus"
-    tokenizer: Literal["byte"] = "byte"
+    # byte: no file; huggingface: a local tokenizer.json (or a directory holding one);
+    # sentencepiece: a local .model. Read offline from tokenizer_path.
+    tokenizer: Literal["byte", "huggingface", "sentencepiece"] = "byte"
+    tokenizer_path: str | None = None
     global_batch_size: int = 8
     micro_batch_size: int = 2
     cache_dir: str | None = None
@@ -153,6 +160,14 @@ class DataConfig:
             weights = []
         if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
             fail("split", f"{self.split!r} is not three non-negative weights", "write train,valid,test, e.g. 98,2,0")
+        if self.tokenizer == "byte" and self.tokenizer_path:
+            fail("tokenizer_path", "the byte tokenizer reads no file", "remove it, or set data.tokenizer to its kind")
+        if self.tokenizer != "byte" and not self.tokenizer_path:
+            fail(
+                "tokenizer_path",
+                f"data.tokenizer={self.tokenizer} needs a local tokenizer file",
+                "set it to a tokenizer.json (huggingface) or a .model (sentencepiece)",
+            )
 
     def prefixes(self) -> list[tuple[str, float]]:
         """(prefix, weight) of every dataset trained on: the blend, or ``prefix`` alone."""
@@ -753,4 +768,25 @@ def padded_vocab_size(cfg: Config) -> int:
     that TP divides the result.
     """
     multiple = cfg.model.make_vocab_size_divisible_by
-    return -(-cfg.model.vocab_size // multiple) * multiple
+    return -(-resolve_vocab_size(cfg) // multiple) * multiple
+
+
+def resolve_vocab_size(cfg: Config) -> int:
+    """``model.vocab_size`` if set, else the tokenizer's vocabulary (byte: 257); never smaller than it.
+
+    Reads the tokenizer file (offline, cached); its problems are one-line ConfigErrors naming the file.
+    """
+    try:
+        tokenizer_size = tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: data.tokenizer_path: {exc}") from None
+    size = cfg.model.vocab_size
+    if size is None:
+        return tokenizer_size
+    if size < tokenizer_size:
+        Fail(cfg.source)(
+            "model.vocab_size",
+            f"{size} is smaller than the {cfg.data.tokenizer} tokenizer's vocabulary of {tokenizer_size}",
+            f"remove it (it is derived from the tokenizer) or set it >= {tokenizer_size}",
+        )
+    return size

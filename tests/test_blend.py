@@ -13,6 +13,7 @@ from pretrain.config import load_config, validate
 from pretrain.data.blend import BlendedSamples
 from pretrain.data.dataset import GlobalBatchSampler, build_datasets
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
+from pretrain.data.train_tokenizer import train_bpe_tokenizer
 from pretrain.errors import ConfigError, DataError
 from tests.helpers import TINY, events, ft_launch, metrics_by_step, overrides_for, torchrun
 
@@ -67,13 +68,32 @@ def test_a_missing_blend_prefix_names_the_file(two_corpora: tuple[Path, Path], t
     assert f"{tmp_path / 'gone'}.bin: dataset file not found" in str(caught.value) and "fix:" in str(caught.value)
 
 
+@pytest.fixture(scope="module")
+def hf_corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two BPE tokenizers of one size trained on different text, and two datasets made with the first."""
+    d = tmp_path_factory.mktemp("hf")
+    text_a, text_b = d / "a.txt", d / "b.txt"
+    text_a.write_text("\n\n".join(synthetic_documents(0.3, seed=21)))
+    text_b.write_text("\n\n".join(synthetic_documents(0.3, seed=22)).upper())
+    train_bpe_tokenizer([text_a], 400, d / "tok-a.json")
+    train_bpe_tokenizer([text_b], 400, d / "tok-b.json")
+    for name, seed, mb in (("web", 31, 0.3), ("code", 32, 0.2)):
+        hf = {"tokenizer": "huggingface", "tokenizer_path": str(d / "tok-a.json")}
+        build_indexed_dataset(synthetic_documents(mb, seed=seed), d / name, **hf)
+    return {"web": d / "web", "code": d / "code", "tok_a": d / "tok-a.json", "tok_b": d / "tok-b.json"}
+
+
 @pytest.mark.slow
-def test_a_blended_run_with_evaluation_resumes_bit_exact(two_corpora: tuple[Path, Path], tmp_path: Path) -> None:
-    a, b = two_corpora
+def test_hf_tokenizer_blend_and_evaluation_resume_bit_exact(hf_corpora: dict[str, Path], tmp_path: Path) -> None:
+    """The heartbeat test on a real workload shape: a trained BPE tokenizer, a two-prefix blend and
+    evaluation on; then a resume with another tokenizer (same vocabulary size) is refused in one line."""
+    a, b = hf_corpora["web"], hf_corpora["code"]
     common = {
         "train.steps": 40,
         "checkpoint.local.interval": 10,
         "checkpoint.reshardable.interval": 20,
+        "data.tokenizer": "huggingface",
+        "data.tokenizer_path": str(hf_corpora["tok_a"]),
         "data.blend": _blend(a, b, 0.6, 0.4),
         "data.split": "90,10,0",
         "eval.interval": 10,
@@ -88,3 +108,19 @@ def test_a_blended_run_with_evaluation_resumes_bit_exact(two_corpora: tuple[Path
     assert sorted(got) == sorted(want) == list(range(1, 41))
     for step in range(21, 41):
         assert got[step]["loss"] == want[step]["loss"] and got[step]["grad_norm"] == want[step]["grad_norm"], step
+
+    other = {**common, "train.steps": 50, "data.tokenizer_path": str(hf_corpora["tok_b"])}
+    proc = torchrun(base, 2, overrides_for(base, a, **other), check=False)
+    assert proc.returncode != 0
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "IncompatibleCheckpoint:" in x and "failed" in x]
+    assert lines and "trained with tokenizer huggingface" in lines[0] and "fix:" in lines[0], proc.stderr[-2000:]
+    assert "tok-a.json" in lines[0] and "tok-b.json" in lines[0]
+
+
+def test_a_dataset_with_ids_beyond_the_vocabulary_is_refused(hf_corpora: dict[str, Path]) -> None:
+    """Data made with a 400-token BPE vocabulary, trained on with the byte tokenizer (257)."""
+    cfg = load_config(TINY, [f"data.prefix={hf_corpora['web']}"])
+    with pytest.raises(DataError) as caught:
+        build_datasets(cfg)
+    message = str(caught.value)
+    assert f"{hf_corpora['web']}.bin: token id" in message and ">= vocabulary size 257" in message and "fix:" in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,8 +10,9 @@ from typing import Any
 
 import torch
 
-from pretrain.config import Config
+from pretrain.config import Config, resolve_vocab_size
 from pretrain.data.dataset import GlobalBatchSampler
+from pretrain.data.tokenizer import tokenizer_identity
 from pretrain.errors import IncompatibleCheckpoint
 from pretrain.optim import TrainOptimizer
 from pretrain.rank_state import seed_everything
@@ -90,15 +92,17 @@ def trainer_state(state: TrainingState) -> dict[str, Any]:
         "scheduler": state.scheduler.state_dict(),
         "grad_scaler": None,  # fp32/bf16 training uses no loss scaling
         "topology": dict(state.topology),
-        "config": state.cfg.to_dict(),
+        "config": _config_with_vocab(state.cfg),
         "code_version": code_version(),
         "dataset_snapshot": state.dataset_snapshot,
+        "tokenizer": _tokenizer_identity(state.cfg.data.tokenizer, state.cfg.data.tokenizer_path),
         "extra": dict(state.extra),
     }
 
 
 def apply_trainer_state(state: TrainingState, trainer: dict[str, Any], path: Path) -> None:
     check_compatible(state.cfg, trainer, path)
+    check_same_tokenizer(state.cfg, trainer, path)
     state.scheduler.load_state_dict(trainer["scheduler"])
     state.step = trainer["step"]
     state.consumed_samples = trainer["consumed_samples"]
@@ -114,15 +118,41 @@ def apply_trainer_state(state: TrainingState, trainer: dict[str, Any], path: Pat
         )
 
 
+# Hashed once per process: every save records it, and a save must not re-read the tokenizer file.
+_tokenizer_identity = functools.lru_cache(maxsize=8)(tokenizer_identity)
+
+
+def _config_with_vocab(cfg: Config) -> dict[str, Any]:
+    """The config as saved: ``model.vocab_size`` resolved, so a derived vocabulary is compared by its size."""
+    out = cfg.to_dict()
+    out["model"]["vocab_size"] = resolve_vocab_size(cfg)
+    return out
+
+
 def check_compatible(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
     saved = trainer["config"]["model"]
-    now = cfg.to_dict()["model"]
+    now = _config_with_vocab(cfg)["model"]
     diff = [k for k in ARCH_KEYS if saved.get(k) != now.get(k)]
     if diff:
         key = diff[0]
         raise IncompatibleCheckpoint(
             f"{path}: checkpoint has model.{key}={saved.get(key)!r} but the config says {now.get(key)!r}; "
             "fix: use the run's original model config or a new run.id"
+        )
+
+
+def check_same_tokenizer(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
+    """A run resumes only with the tokenizer it was trained with (same kind and file digest); the
+    same vocabulary size is not enough (ids would mean other text)."""
+    saved = trainer.get("tokenizer")
+    if not saved:  # saved before tokenizer identities were recorded
+        return
+    now = _tokenizer_identity(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    if (saved.get("kind"), saved.get("sha256")) != (now.get("kind"), now.get("sha256")):
+        raise IncompatibleCheckpoint(
+            f"{path}: trained with tokenizer {saved.get('kind')} {saved.get('file') or ''} "
+            f"({saved.get('sha256')}), this run uses {now.get('kind')} {now.get('file') or ''} ({now.get('sha256')}); "
+            "fix: set data.tokenizer and data.tokenizer_path to the run's tokenizer, or start a new run.id"
         )
 
 
@@ -145,6 +175,7 @@ def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **e
             "consumed_samples": state.consumed_samples,
             "consumed_tokens": state.consumed_tokens,
             "attempt": attempt,
+            "tokenizer": _tokenizer_identity(cfg.data.tokenizer, cfg.data.tokenizer_path),
             **extra,
         },
     )

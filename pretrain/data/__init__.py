@@ -1,1 +1,2 @@
-"""Data: byte-level tokenizer, Megatron indexed dataset preparation, GPTDataset, resumable sampler."""
+"""Data: tokenizers (byte, Hugging Face, SentencePiece), input documents, Megatron indexed dataset
+preparation, tokenizer training, GPTDataset, resumable sampler."""

@@ -13,10 +13,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from torch.utils.data import Dataset
 
-from pretrain.config import Config
+from pretrain.config import Config, resolve_vocab_size
 from pretrain.data.blend import BlendedSamples
-from pretrain.data.prepare import dataset_snapshot_id
-from pretrain.data.tokenizer import ByteTokenizer
+from pretrain.data.prepare import checked_token_ids, dataset_snapshot_id
+from pretrain.data.tokenizer import load_tokenizer
 from pretrain.errors import DataError
 
 
@@ -32,12 +32,13 @@ def _split_of(cfg: Config, prefix: str) -> tuple[GPTDataset, GPTDataset | None]:
                 f"{prefix}{suffix}: dataset file not found; fix: run "
                 f"'pretrain prepare-data --output {prefix} ...' or correct data.prefix / data.blend"
             )
+    checked_token_ids(prefix, resolve_vocab_size(cfg))
     ds_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.model.seq_length,
         blend=([prefix], None),
         split=cfg.data.split.replace("/", ","),
-        tokenizer=ByteTokenizer(),
+        tokenizer=load_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,

@@ -1,66 +1,154 @@
-"""``pretrain prepare-data``: text files -> Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``)."""
+"""``pretrain prepare-data``: documents -> Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``).
+
+Contract: :func:`build_indexed_dataset` tokenizes documents with any tokenizer of
+:mod:`pretrain.data.tokenizer_files` (byte by default) in ``workers`` processes, appends the
+end-of-document id to each, and writes Megatron's indexed dataset with megatron-core's own
+``IndexedDatasetBuilder`` (the format Megatron-LM's ``preprocess_data.py`` writes, so either
+reads the other's) in the dtype Megatron picks for the vocabulary (:func:`token_dtype`: uint16
+below 65500, else int32). The output is identical for any number of workers. The files appear
+only when complete (written under temporary names, then renamed); an input without documents is
+a one-line :class:`DataError`. :func:`prepare_data` is the command: text/JSONL files or a
+synthetic corpus, with a progress bar (MB/s) on stderr. :func:`check_token_ids` refuses a dataset
+with ids outside a vocabulary; :func:`dataset_snapshot_id` is a dataset's identity.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import random
-from collections.abc import Iterable, Iterator
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from tqdm import tqdm
 
-from pretrain.data.tokenizer import ByteTokenizer
-
-_WORDS = (  # noqa: SIM905 - a word list reads best as one string
-    "the of and to in is was for on that with as by at from his her it an were are which this be "
-    "checkpoint gradient rank node failure restart shard manifest tensor pipeline parallel optimizer "
-    "model data loss step token batch cluster storage replica durable verify commit recovery train "
-    "river mountain city music history science language garden winter summer ocean forest bridge"
-).split()
+from pretrain.data.encode import encode_documents
+from pretrain.data.sources import ReadStats, read_documents, synthetic_documents
+from pretrain.data.tokenizer_files import open_codec
+from pretrain.errors import DataError
+from tiering.fsio import atomic_write_bytes
 
 
-def documents_from_files(paths: Iterable[Path]) -> Iterator[str]:
-    """One document per blank-line separated paragraph."""
-    for path in paths:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-        for para in text.split("\n\n"):
-            para = para.strip()
-            if para:
-                yield para
+def token_dtype(vocab_size: int) -> type[np.number]:
+    """The dtype Megatron stores token ids of this vocabulary in (uint16 below 65500, else int32)."""
+    return DType.optimal_dtype(vocab_size)
 
 
-def synthetic_documents(megabytes: float, seed: int = 0) -> Iterator[str]:
-    """A deterministic English-like corpus for demos and tests (no download)."""
-    rng = random.Random(seed)
-    produced = 0
-    target = int(megabytes * 1024 * 1024)
-    while produced < target:
-        sentences = []
-        for _ in range(rng.randint(2, 8)):
-            words = [rng.choice(_WORDS) for _ in range(rng.randint(5, 18))]
-            sentences.append(" ".join(words).capitalize() + ".")
-        doc = " ".join(sentences)
-        produced += len(doc) + 1
-        yield doc
-
-
-def build_indexed_dataset(documents: Iterable[str], output_prefix: Path | str) -> dict[str, int]:
-    """Tokenize with the byte tokenizer and write ``.bin``/``.idx``; return counts."""
+def build_indexed_dataset(
+    documents: Iterable[str],
+    output_prefix: Path | str,
+    tokenizer: str = "byte",
+    tokenizer_path: Path | str | None = None,
+    workers: int = 1,
+    progress: bool = False,
+    source: str = "the input",
+) -> dict[str, int]:
+    """Tokenize ``documents`` and write ``PREFIX.bin``/``.idx``; return the document and token counts."""
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    tok = ByteTokenizer()
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    codec = open_codec(tokenizer, tokenizer_path)
+    final = {suffix: Path(f"{prefix}{suffix}") for suffix in (".bin", ".idx")}
+    tmp = {suffix: Path(f"{prefix}{suffix}.tmp-{os.getpid()}") for suffix in final}
+    builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=token_dtype(codec.vocab_size))
     docs = tokens = 0
-    for doc in documents:
-        ids = tok.tokenize(doc) + [tok.eod]
-        builder.add_document(ids, [len(ids)])
-        docs += 1
-        tokens += len(ids)
-    if docs == 0:
-        raise ValueError("no documents found in the input; give non-empty text files")
-    builder.finalize(str(prefix) + ".idx")
-    return {"documents": docs, "tokens": tokens}
+    bar = tqdm(
+        desc=f"tokenizing ({tokenizer})",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=0.5,
+    )
+    try:
+        with bar:
+            for batch in encode_documents(documents, tokenizer, tokenizer_path, workers):
+                for ids in batch.documents():
+                    builder.add_document(ids, [len(ids)])
+                docs += len(batch.lengths)
+                tokens += int(batch.lengths.sum())
+                bar.update(batch.text_bytes)
+                bar.set_postfix(documents=docs, refresh=False)
+        if docs == 0:
+            raise DataError(
+                f"{source}: no documents (every file is empty or blank); fix: give text with a non-blank "
+                "paragraph or JSONL lines with text"
+            )
+        builder.finalize(str(tmp[".idx"]))
+        for suffix in (".bin", ".idx"):
+            os.replace(tmp[suffix], final[suffix])
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+    return {"documents": docs, "tokens": tokens, "vocab_size": codec.vocab_size}
+
+
+def prepare_data(
+    output_prefix: Path | str,
+    inputs: Sequence[Path | str] = (),
+    synthetic_mb: float | None = None,
+    seed: int = 0,
+    tokenizer: str = "byte",
+    tokenizer_path: Path | str | None = None,
+    json_key: str = "text",
+    skip_bad_lines: bool = False,
+    workers: int = 1,
+    progress: bool = True,
+) -> dict[str, int]:
+    """``pretrain prepare-data``: the files' (or a synthetic corpus's) documents -> indexed dataset."""
+    stats = ReadStats()
+    if synthetic_mb is not None:
+        docs, source = synthetic_documents(synthetic_mb, seed), f"--synthetic-mb {synthetic_mb}"
+    else:
+        docs = read_documents(inputs, json_key, skip_bad_lines, stats)
+        source = ", ".join(map(str, inputs[:3])) + (f" (+{len(inputs) - 3} more)" if len(inputs) > 3 else "")
+    counts = build_indexed_dataset(docs, output_prefix, tokenizer, tokenizer_path, workers, progress, source)
+    return {**counts, "skipped_lines": stats.skipped_lines}
+
+
+def check_token_ids(prefix: Path | str, vocab_size: int) -> int:
+    """The largest token id of the dataset; DataError (one line) if it is >= ``vocab_size``."""
+    bin_path = f"{prefix}.bin"
+    for path in (bin_path, f"{prefix}.idx"):
+        if not Path(path).is_file():
+            raise DataError(f"{path}: dataset file not found; fix: run 'pretrain prepare-data --output {prefix} ...'")
+    dtype = IndexedDataset(str(prefix)).index.dtype
+    ids = np.memmap(bin_path, dtype=dtype, mode="r")
+    largest = int(ids.max()) if ids.size else -1
+    if largest >= vocab_size:
+        raise DataError(
+            f"{bin_path}: token id {largest} >= vocabulary size {vocab_size}; fix: use the tokenizer the data "
+            "was prepared with, or re-run pretrain prepare-data with this tokenizer"
+        )
+    return largest
+
+
+def checked_token_ids(prefix: Path | str, vocab_size: int) -> int:
+    """:func:`check_token_ids`, remembered next to the dataset (``PREFIX.maxid.json``, keyed by the
+    dataset's identity) so that a restart does not scan the whole ``.bin`` again (it would add to
+    every recovery). A sidecar that cannot be written (read-only data) only costs the next scan."""
+    sidecar = Path(f"{prefix}.maxid.json")
+    identity = dataset_snapshot_id(prefix)
+    try:
+        known = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if known.get("snapshot") == identity and isinstance(known.get("max_token_id"), int):
+        largest = known["max_token_id"]
+        if largest >= vocab_size:
+            raise DataError(
+                f"{prefix}.bin: token id {largest} >= vocabulary size {vocab_size}; fix: use the tokenizer the "
+                "data was prepared with, or re-run pretrain prepare-data with this tokenizer"
+            )
+        return largest
+    largest = check_token_ids(prefix, vocab_size)
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(sidecar, json.dumps({"snapshot": identity, "max_token_id": largest}).encode())
+    return largest
 
 
 def dataset_snapshot_id(prefix: Path | str) -> str:
