@@ -64,6 +64,12 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    from pretrain.commands.evaluate import run_evaluate
+
+    return run_evaluate(load_config(args.config, args.set or []), args.checkpoint, args.step)
+
+
 def _train_tokenizer(args: argparse.Namespace) -> int:
     from pretrain.data.train_tokenizer import train_bpe_tokenizer
     from pretrain.errors import DataError
@@ -226,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     t.set_defaults(func=_train)
+
+    ev = sub.add_parser("evaluate", help="validation loss and perplexity of one checkpoint (JSON)")
+    ev.add_argument("--config", required=True)
+    ev.add_argument("--checkpoint", required=True, help="a step directory of any tier, or s3://bucket/prefix")
+    ev.add_argument("--step", type=int, default=None, help="with s3://: the step (default: the newest)")
+    ev.add_argument("--set", action="append", metavar="KEY=VALUE")
+    ev.set_defaults(func=_evaluate)
 
     _add_data_commands(sub)
 

@@ -42,9 +42,11 @@ from pretrain.config import Config
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective
+from tiering.errors import VerificationError
 from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher
 from tiering.restore import select_newest_verified
+from tiering.verify import verify_step
 
 log = logging.getLogger(__name__)
 
@@ -255,21 +257,41 @@ class ReshardableCheckpoints:
         try:
             if self.phases is not None:
                 self.phases.enter("load")
-            trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-            apply_trainer_state(state, trainer, path / "trainer.pt")
-            model_sd = state.model.sharded_state_dict()
-            optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
-            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
-            state.model.load_state_dict(loaded["model"], strict=True)
-            state.optimizer.load_sharded_state_dict(loaded["optimizer"])
-            rng_restored = self._restore_rank_state(path, trainer, state)
-            self.coll.barrier()
+            rng_restored = self._load(path, state)
         finally:
             if pin is not None:
                 pin.unlink(missing_ok=True)
         return RestoreResult(
             self.name, selection.step, time.perf_counter() - t0, verify_s, rng_restored, selection.rejected, path
         )
+
+    def _load(self, path: Path, state: TrainingState) -> bool:
+        """Collective: a verified step directory into ``state`` at this topology; whether the
+        per-rank RNG streams were restored (same topology) or re-seeded."""
+        trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+        apply_trainer_state(state, trainer, path / "trainer.pt")
+        model_sd = state.model.sharded_state_dict()
+        optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
+        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
+        state.model.load_state_dict(loaded["model"], strict=True)
+        state.optimizer.load_sharded_state_dict(loaded["optimizer"])
+        rng_restored = self._restore_rank_state(path, trainer, state)
+        self.coll.barrier()
+        return rng_restored
+
+    def load_step_dir(self, path: Path, state: TrainingState) -> None:
+        """Collective: verify one published step directory (rank 0 hashes every byte) and load it.
+        Raises VerificationError naming the file on every rank if it does not verify."""
+        error = None
+        if self.coll.rank == 0:
+            try:
+                verify_step(path, expect_run_id=self.cfg.run.id)
+            except VerificationError as exc:
+                error = (exc.path, exc.reason)
+        error = self.coll.broadcast(error)
+        if error:
+            raise VerificationError(error[0], error[1], "fix: pass a step that verifies (see 'tiering verify')")
+        self._load(path, state)
 
     def _restore_rank_state(self, path: Path, trainer: dict, state: TrainingState) -> bool:
         """Per-rank RNG when the topology is unchanged; otherwise a deterministic re-seed."""

@@ -1,0 +1,52 @@
+"""``pretrain evaluate``: a checkpoint's validation loss as JSON, the same for the same weights at
+any topology (a TP=2 reshardable checkpoint evaluated at TP=1 and TP=2, and its tier-1 copy), and a
+corrupt checkpoint refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, TINY, flip_byte, job_env, overrides_for, torchrun, torchrun_prefix
+
+pytestmark = pytest.mark.slow
+
+
+def _evaluate(tmp: Path, nproc: int, checkpoint: Path, overrides: list[str]) -> subprocess.CompletedProcess[str]:
+    launch = torchrun_prefix(nproc) if nproc > 1 else [PYTHON]
+    cmd = [*launch, "-m", "pretrain", "evaluate", "--config", str(TINY), "--checkpoint", str(checkpoint)]
+    for item in overrides:
+        cmd += ["--set", item]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env(tmp), cwd=tmp)
+
+
+def _result(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def test_the_same_loss_at_any_topology(tmp_path: Path, corpus: Path) -> None:
+    common = {"train.steps": 20, "checkpoint.reshardable.interval": 20, "data.split": "90,10,0", "eval.iters": 2}
+    train = tmp_path / "train"
+    torchrun(train, 2, overrides_for(train, corpus, **common, **{"parallel.tp": 2}))
+    reshardable = train / "reshard" / "t" / "steps" / "step-000000020"
+    tier1 = train / "ckpt" / "t" / "ranks" / "rank-00000" / "steps" / "step-000000020"
+    ev = tmp_path / "ev"
+    at_tp1 = _result(_evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common)))
+    at_tp2 = _result(_evaluate(ev, 2, reshardable, overrides_for(ev, corpus, **common, **{"parallel.tp": 2})))
+    local = _result(_evaluate(ev, 2, tier1, overrides_for(ev, corpus, **common, **{"parallel.tp": 2})))
+    assert at_tp1["step"] == at_tp2["step"] == local["step"] == 20
+    assert (at_tp1["kind"], at_tp2["kind"], local["kind"]) == ("reshardable", "reshardable", "local")
+    assert at_tp1["topology"]["tp"] == 1 and at_tp2["topology"]["tp"] == 2
+    assert at_tp1["loss"] == pytest.approx(at_tp2["loss"], rel=1e-5)
+    assert local["loss"] == pytest.approx(at_tp2["loss"], rel=1e-5)
+    assert at_tp1["perplexity"] == pytest.approx(2.718281828 ** at_tp1["loss"], rel=1e-6)
+
+    flip_byte(next((reshardable / "model").glob("*.distcp")))
+    bad = _evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common))
+    assert bad.returncode != 0
+    lines = [x for x in bad.stderr.splitlines() if "does not verify" in x]
+    assert lines and str(reshardable) in lines[0] and "fix:" in lines[0], bad.stderr[-2000:]
