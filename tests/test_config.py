@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.config import load_config, padded_vocab_size, validate
+from pretrain.data.train_tokenizer import train_bpe_tokenizer
 from pretrain.errors import ConfigError
 from tests.helpers import PYTHON, REPO, TINY
 
@@ -32,15 +33,19 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_shipped_configs_load_and_validate() -> None:
+def test_shipped_configs_load_and_validate(tmp_path: Path) -> None:
     tiny = load_config(TINY)
     for world in (1, 2, 4):
         validate(tiny, world, cuda=False)
     assert (
         64 <= tiny.model.hidden_size <= 256 and 2 <= tiny.model.num_layers <= 4 and 64 <= tiny.model.seq_length <= 128
     )
-    big = load_config(REPO / "configs" / "gpt-8b-h100.yaml")
+    # The Llama-3 tokenizer.json it names lives on the cluster: a small local one stands in here.
+    tok = tmp_path / "tokenizer.json"
+    train_bpe_tokenizer([REPO / "README.md"], 300, tok)
+    big = load_config(REPO / "configs" / "gpt-8b-h100.yaml", [f"data.tokenizer_path={tok}"])
     validate(big, 64, cuda=True)
+    assert big.data.tokenizer == "huggingface" and len(big.data.blend) == 2 and big.eval.interval > 0
     assert big.model.spec == "te" and big.model.precision == "bf16" and big.parallel.distributed_optimizer == "on"
     assert big.parallel.tp * big.parallel.pp > 1
     with pytest.raises(ConfigError, match="model.spec"):

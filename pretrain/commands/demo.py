@@ -1,8 +1,11 @@
 """``pretrain demo`` / ``make demo``: the main job at CPU scale, with one injected failure.
 
-Two ranks train the tiny GPT under ``ft_launcher``; rank 1 is SIGKILLed once (first attempt
-only) after a checkpoint; the launcher restarts the group, which restores the newest verified
-step and finishes. Prints a recovery summary and writes it to ``<workdir>/recovery-summary.json``.
+Two ranks train the tiny GPT under ``ft_launcher`` on real text (the Python standard library's
+sources, with a BPE tokenizer trained on them at demo time: :mod:`pretrain.commands.demo_data`),
+evaluating the validation loss every 40 steps; rank 1 is SIGKILLed once (first attempt only) after
+a checkpoint; the launcher restarts the group, which restores the newest verified step and
+finishes. Prints a recovery summary with the validation losses before and after the failure and
+the corpus's unigram entropy, and writes it to ``<workdir>/recovery-summary.json``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from pretrain.commands.demo_data import prepare, unigram_entropy
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.commands.summary import format_report, summarize
 from pretrain.config import load_config
@@ -32,23 +36,33 @@ FT_CONFIG = {
 }
 
 
-def _settings(work: Path, data_prefix: Path, overrides: list[str]) -> list[str]:
+DEMO_MB = 2.0  # of standard-library sources: a few seconds to tokenize, enough for 60 steps
+VOCAB = 512
+
+
+def _settings(work: Path, data_prefix: Path, tokenizer: Path, overrides: list[str]) -> list[str]:
     return [
         f"run.dir={work / 'runs'}",
         "run.id=demo",
         f"data.prefix={data_prefix}",
+        "data.tokenizer=huggingface",
+        f"data.tokenizer_path={tokenizer}",
+        "data.split=95,5,0",
+        "eval.interval=40",
+        "eval.iters=4",
         f"checkpoint.local.dir={work / 'ckpt-local'}",
         f"checkpoint.reshardable.dir={work / 'ckpt-reshardable'}",
-        "checkpoint.reshardable.interval=20",
+        "checkpoint.reshardable.interval=40",
         # Tier 3 on the embedded default: the same object-store protocol in a directory.
         f"checkpoint.s3.uri=file://{work / 's3'}",
         "checkpoint.s3.poll_s=1",
         # One machine is one failure domain: replicate to the other rank anyway (development only).
         "checkpoint.replication.allow_same_domain=true",
-        "train.steps=60",
+        "train.steps=160",
+        "optimizer.lr=0.002",  # a short run on real text: learn fast enough to show in 160 steps
         "checkpoint.local.interval=10",
         "fault_tolerance.inject.kill_rank=1",
-        "fault_tolerance.inject.kill_at_step=37",
+        "fault_tolerance.inject.kill_at_step=97",
         *overrides,
     ]
 
@@ -74,6 +88,16 @@ def _train_with_uploader(work: Path, cfg_path: Path, cmd: list[str], env: dict[s
     return rc, wall
 
 
+def _validation(run_dir: Path) -> dict[int, tuple[float, str]]:
+    """Validation loss by step (the newest evaluation of a step) with the attempt that made it."""
+    out: dict[int, tuple[float, str]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("kind") == "validation":
+            out[row["step"]] = (row["loss"], row["attempt"])
+    return out
+
+
 def _promoted(work: Path) -> list[int]:
     steps = work / "s3" / "demo" / "steps"
     if not steps.is_dir():
@@ -86,14 +110,10 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    data_prefix = work / "data" / "corpus"
-    print(f"[demo] preparing a synthetic corpus at {data_prefix}", flush=True)
-    subprocess.run(
-        [sys.executable, "-m", "pretrain", "prepare-data", "--synthetic-mb", "1", "--output", str(data_prefix)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    cfg = load_config(config, _settings(work, data_prefix, overrides))  # a bad override fails before any launch
+    tokenizer, data_prefix = prepare(work, DEMO_MB, VOCAB)
+    entropy = unigram_entropy(data_prefix)
+    settings = _settings(work, data_prefix, tokenizer, overrides)
+    cfg = load_config(config, settings)  # a bad override fails before any launch
     cfg_path = work / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     ft_path = work / "ft.yaml"
@@ -110,9 +130,23 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     print()
     print(format_report(report))
     print(f"steps promoted to tier 3    : {promoted} ({work / 's3'}, uploader exit {flush.returncode})")
+    validation = _validation(work / "runs" / "demo")
+    for step, (loss, attempt) in sorted(validation.items()):
+        print(f"validation loss, step {step:<5}: {loss:.3f} nats ({attempt})")
+    print(f"unigram entropy of the data : {entropy:.3f} nats (a model that learnt only token frequencies)")
     print(f"wall time                   : {wall:.1f} s (launcher exit code {rc})")
     (work / "recovery-summary.json").write_text(
-        json.dumps({**report.to_dict(), "wall_seconds": wall, "launcher_exit_code": rc, "s3_steps": promoted}, indent=1)
+        json.dumps(
+            {
+                **report.to_dict(),
+                "wall_seconds": wall,
+                "launcher_exit_code": rc,
+                "s3_steps": promoted,
+                "validation_loss": {str(k): v[0] for k, v in sorted(validation.items())},
+                "unigram_entropy": entropy,
+            },
+            indent=1,
+        )
     )
     ok = (
         rc == 0
@@ -120,6 +154,8 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
         and len(report.recoveries) == 1
         and report.recoveries[0].restored_step is not None
         and cfg.train.steps in promoted
+        and bool(validation)
+        and validation[max(validation)][0] < entropy
     )
     print(f"[demo] {'OK' if ok else 'FAILED'}: logs in {work}")
     return 0 if ok else 1
