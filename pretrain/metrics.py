@@ -195,13 +195,17 @@ class TrainingMetrics:
             g = GaugeMetricFamily("training_step", "The step the model is at", labels=labels)
             g.add_metric(rid, self.step)
             yield g
-            if self.validation is not None:
-                g = GaugeMetricFamily("validation_loss", "Validation loss at the newest evaluation", labels=labels)
-                g.add_metric(rid, self.validation[1])
-                yield g
-                g = GaugeMetricFamily("validation_step", "The step of the newest evaluation", labels=labels)
-                g.add_metric(rid, self.validation[0])
-                yield g
+            yield from self._validation_metrics(labels, rid)
+
+    def _validation_metrics(self, labels: list[str], rid: list[str]) -> Any:
+        if self.validation is None:
+            return
+        g = GaugeMetricFamily("validation_loss", "Validation loss at the newest evaluation", labels=labels)
+        g.add_metric(rid, self.validation[1])
+        yield g
+        g = GaugeMetricFamily("validation_step", "The step of the newest evaluation", labels=labels)
+        g.add_metric(rid, self.validation[0])
+        yield g
 
 
 class MetricsServer:

@@ -39,6 +39,11 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
+def kill_rank_at(rank: int, step: int) -> dict[str, int]:
+    """Overrides: ``rank`` SIGKILLs itself at ``step`` (first attempt only)."""
+    return {"fault_tolerance.inject.kill_rank": rank, "fault_tolerance.inject.kill_at_step": step}
+
+
 def torchrun_prefix(nproc: int) -> list[str]:
     """``torchrun --standalone`` for ``nproc`` local ranks, with this interpreter."""
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import events, ft_launch, full_tensors, metrics_by_step, overrides_for, torchrun
+from tests.helpers import events, ft_launch, full_tensors, kill_rank_at, metrics_by_step, overrides_for, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -18,16 +18,7 @@ def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> N
     torchrun(base, 2, overrides_for(base, corpus, **common))
 
     crash = tmp_path / "crash"
-    ft_launch(
-        crash,
-        2,
-        overrides_for(
-            crash,
-            corpus,
-            **common,
-            **{"fault_tolerance.inject.kill_rank": 1, "fault_tolerance.inject.kill_at_step": 37},
-        ),
-    )
+    ft_launch(crash, 2, overrides_for(crash, corpus, **common, **kill_rank_at(1, 37)))
 
     ev = events(crash / "runs" / "t")
     faults = [e for e in ev if e["event"] == "fault_injected"]

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from pretrain.metrics import TrainingMetrics
-from tests.helpers import TINY, events, ft_launch, metrics_by_step, overrides_for, torchrun
+from tests.helpers import TINY, events, ft_launch, kill_rank_at, metrics_by_step, overrides_for, torchrun
 
 COMMON = {
     "train.steps": 40,
@@ -47,21 +47,8 @@ def test_validation_draws_no_training_randomness_and_resumes_exactly(tmp_path: P
         ),
     )
     crash = tmp_path / "crash"
-    ft_launch(
-        crash,
-        2,
-        overrides_for(
-            crash,
-            corpus,
-            **COMMON,
-            **{
-                "eval.interval": 10,
-                "eval.iters": 2,
-                "fault_tolerance.inject.kill_rank": 1,
-                "fault_tolerance.inject.kill_at_step": 27,
-            },
-        ),
-    )
+    evaluate = {"eval.interval": 10, "eval.iters": 2}
+    ft_launch(crash, 2, overrides_for(crash, corpus, **COMMON, **evaluate, **kill_rank_at(1, 27)))
     base, ev, cr = (metrics_by_step(d / "runs" / "t") for d in (plain, evaluated, crash))
     assert sorted(base) == sorted(ev) == sorted(cr) == list(range(1, 41))
     for step in range(1, 41):
