@@ -1,18 +1,23 @@
 """``pretrain prepare-data`` throughput against the raw ``tokenizers`` batch encode of the same text.
 
 Run: ``python -m bench.prepare_numbers [MB]`` (after ``make venv``). The corpus is the Python
-standard library's sources (JSONL, one document per file); the tokenizer is a 1,024-token BPE
-trained on it. The baseline is what any preparation must at least do: ``Tokenizer.encode_batch``
-over every document, in memory, in one process (the library uses every core). The measured path
-is the whole command's work: read the JSONL, tokenize in 2 worker processes, append
-end-of-document, write ``.bin``/``.idx``. Both alternate, 3 times each; medians and spreads are
-printed as JSON. A ratio above 1 would mean the baseline does not measure the limit.
+standard library's sources (JSONL, one document per file) repeated to ``MB`` megabytes; the
+tokenizer is a 1,024-token BPE trained on it. The baseline is what any preparation must at least
+do: ``Tokenizer.encode_batch`` over every document, in memory, in one process (the library uses
+every core). The measured path is the real command, ``pretrain prepare-data --workers 2`` in its
+own process: read the JSONL, tokenize in 2 worker processes, append end-of-document, write
+``.bin``/``.idx``. Its fixed start-up (interpreter, torch/Megatron imports, worker spawn) is
+measured on a one-document input and reported apart, so that the rate is the one a large corpus
+sees. Both alternate, 3 times each; medians and spreads are printed as JSON. A ratio above 1 would
+mean the baseline does not measure the limit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,43 +25,52 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from pretrain.commands.demo_data import stdlib_sources, write_jsonl
-from pretrain.data.prepare import prepare_data
+from pretrain.commands.demo_data import stdlib_sources
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
 
 
-def main(mb: float = 8.0, repeats: int = 3) -> dict[str, object]:
+def _corpus(work: Path, mb: float) -> tuple[Path, list[str], int]:
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_sources(8.0)]
+    docs, size = [], 0
+    while size < mb * 1e6:
+        for text in texts:
+            docs.append(text)
+            size += len(text.encode())
+    path = work / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path, docs, size
+
+
+def _prepare(jsonl: Path, tokenizer: Path, out: Path) -> float:
+    cmd = [sys.executable, "-m", "pretrain", "prepare-data", "--input", str(jsonl), "--output", str(out)]
+    cmd += ["--tokenizer", "huggingface", "--tokenizer-path", str(tokenizer), "--workers", "2", "--no-progress"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return time.perf_counter() - t0
+
+
+def main(mb: float = 48.0, repeats: int = 3) -> dict[str, object]:
     work = Path(tempfile.mkdtemp(prefix="rp-prepare-bench-"))
-    jsonl = work / "corpus.jsonl"
-    size = write_jsonl(stdlib_sources(mb), jsonl)
+    jsonl, docs, size = _corpus(work, mb)
     tok_path = work / "tokenizer.json"
     train_bpe_tokenizer([jsonl], 1024, tok_path)
-    docs = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
+    tiny = work / "tiny.jsonl"
+    tiny.write_text(json.dumps({"text": docs[0][:1000]}) + "\n")
     tok = Tokenizer.from_file(str(tok_path))
-    raw, ours = [], []
+    raw, ours, startup = [], [], []
     for i in range(repeats):
         t0 = time.perf_counter()
         tok.encode_batch(docs)
         raw.append(size / (time.perf_counter() - t0) / 1e6)
-        t0 = time.perf_counter()
-        prepare_data(
-            work / f"out{i}",
-            inputs=[jsonl],
-            tokenizer="huggingface",
-            tokenizer_path=str(tok_path),
-            workers=2,
-            progress=False,
-        )
-        ours.append(size / (time.perf_counter() - t0) / 1e6)
+        startup.append(_prepare(tiny, tok_path, work / f"tiny{i}"))
+        ours.append(size / max(_prepare(jsonl, tok_path, work / f"out{i}") - startup[-1], 1e-9) / 1e6)
     ratio = statistics.median(ours) / statistics.median(raw)
     out = {
-        "corpus_mb": round(size / 1e6, 2),
-        "raw_encode_batch_mb_s": {"median": round(statistics.median(raw), 2), "all": [round(x, 2) for x in raw]},
-        "prepare_data_2_workers_mb_s": {
-            "median": round(statistics.median(ours), 2),
-            "all": [round(x, 2) for x in ours],
-        },
-        "ratio": round(ratio, 3),
+        "corpus_mb": round(size / 1e6, 1),
+        "raw_encode_batch_mb_s": [round(x, 2) for x in raw],
+        "prepare_data_2_workers_mb_s_after_startup": [round(x, 2) for x in ours],
+        "prepare_data_startup_s": [round(x, 2) for x in startup],
+        "ratio_of_medians": round(ratio, 3),
         "target": ">= 0.8",
         "flag": "ratio above 1: the baseline is not the limit" if ratio > 1.05 else None,
     }
@@ -65,4 +79,4 @@ def main(mb: float = 8.0, repeats: int = 3) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 8.0)
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 48.0)

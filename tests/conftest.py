@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
+from pretrain.data.train_tokenizer import train_bpe_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +14,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prefix = tmp_path_factory.mktemp("data") / "corpus"
     build_indexed_dataset(synthetic_documents(1.0, seed=0), prefix)
     return prefix
+
+
+@pytest.fixture(scope="session")
+def hf_corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two BPE tokenizers of one size trained on different text, and two datasets made with the first."""
+    d = tmp_path_factory.mktemp("hf")
+    text_a, text_b = d / "a.txt", d / "b.txt"
+    text_a.write_text("\n\n".join(synthetic_documents(0.3, seed=21)))
+    text_b.write_text("\n\n".join(synthetic_documents(0.3, seed=22)).upper())
+    train_bpe_tokenizer([text_a], 400, d / "tok-a.json")
+    train_bpe_tokenizer([text_b], 400, d / "tok-b.json")
+    for name, seed, mb in (("web", 31, 0.3), ("code", 32, 0.2)):
+        hf = {"tokenizer": "huggingface", "tokenizer_path": str(d / "tok-a.json")}
+        build_indexed_dataset(synthetic_documents(mb, seed=seed), d / name, **hf)
+    return {"web": d / "web", "code": d / "code", "tok_a": d / "tok-a.json", "tok_b": d / "tok-b.json"}
 
 
 # Distinctive, so that tests can prove it never lands in a manifest or a log.

@@ -39,6 +39,11 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
     return [f"{k}={v}" for k, v in items.items()]
 
 
+def blend_override(a: Path, b: Path, wa: float, wb: float) -> str:
+    """``data.blend`` of two prefixes, as a ``--set`` value."""
+    return f"[{{prefix: {a}, weight: {wa}}}, {{prefix: {b}, weight: {wb}}}]"
+
+
 def kill_rank_at(rank: int, step: int) -> dict[str, int]:
     """Overrides: ``rank`` SIGKILLs itself at ``step`` (first attempt only)."""
     return {"fault_tolerance.inject.kill_rank": rank, "fault_tolerance.inject.kill_at_step": step}

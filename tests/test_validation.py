@@ -1,6 +1,7 @@
 """Validation loss on the valid split: logged to metrics.jsonl (its own kind), Prometheus and
 TensorBoard; it draws no training randomness (training losses equal a run without evaluation) and
-gives the same value for the same weights after a SIGKILL and resume."""
+gives the same value for the same weights after a SIGKILL and resume, on a real workload shape
+(trained BPE tokenizer, two-prefix blend)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from pretrain.metrics import TrainingMetrics
-from tests.helpers import TINY, events, ft_launch, kill_rank_at, metrics_by_step, overrides_for, torchrun
+from tests.helpers import (
+    TINY,
+    blend_override,
+    events,
+    ft_launch,
+    kill_rank_at,
+    metrics_by_step,
+    overrides_for,
+    torchrun,
+)
 
 COMMON = {
     "train.steps": 40,
@@ -34,21 +44,26 @@ def _validation(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_validation_draws_no_training_randomness_and_resumes_exactly(tmp_path: Path, corpus: Path) -> None:
+def test_validation_draws_no_training_randomness_and_resumes_exactly(tmp_path: Path, hf_corpora: dict) -> None:
+    """The heartbeat test on a real workload: a trained BPE tokenizer, a two-prefix blend and
+    evaluation. Training losses equal a run without evaluation; after a SIGKILL the resumed run's
+    losses and validation losses equal the uninterrupted run's; then a resume with another tokenizer
+    of the same vocabulary size is refused in one line."""
+    a, b = hf_corpora["web"], hf_corpora["code"]
+    workload = {
+        **COMMON,
+        "data.tokenizer": "huggingface",
+        "data.tokenizer_path": str(hf_corpora["tok_a"]),
+        "data.blend": blend_override(a, b, 0.6, 0.4),
+    }
     plain = tmp_path / "plain"
-    torchrun(plain, 2, overrides_for(plain, corpus, **COMMON))
+    torchrun(plain, 2, overrides_for(plain, a, **workload))
     evaluated = tmp_path / "eval"
     tb = evaluated / "tb"
-    torchrun(
-        evaluated,
-        2,
-        overrides_for(
-            evaluated, corpus, **COMMON, **{"eval.interval": 10, "eval.iters": 2, "logging.tensorboard_dir": str(tb)}
-        ),
-    )
-    crash = tmp_path / "crash"
     evaluate = {"eval.interval": 10, "eval.iters": 2}
-    ft_launch(crash, 2, overrides_for(crash, corpus, **COMMON, **evaluate, **kill_rank_at(1, 27)))
+    torchrun(evaluated, 2, overrides_for(evaluated, a, **workload, **evaluate, **{"logging.tensorboard_dir": str(tb)}))
+    crash = tmp_path / "crash"
+    ft_launch(crash, 2, overrides_for(crash, a, **workload, **evaluate, **kill_rank_at(1, 27)))
     base, ev, cr = (metrics_by_step(d / "runs" / "t") for d in (plain, evaluated, crash))
     assert sorted(base) == sorted(ev) == sorted(cr) == list(range(1, 41))
     for step in range(1, 41):
@@ -67,6 +82,13 @@ def test_validation_draws_no_training_randomness_and_resumes_exactly(tmp_path: P
     assert {"lm loss", "lm loss validation", "learning-rate", "grad-norm", "throughput"} <= tags
     assert [e.step for e in acc.Scalars("lm loss validation")] == [10, 20, 30, 40]
     assert acc.Scalars("lm loss validation")[0].value == pytest.approx(v_eval[10])
+
+    other = {**workload, "train.steps": 50, "data.tokenizer_path": str(hf_corpora["tok_b"])}
+    proc = torchrun(plain, 2, overrides_for(plain, a, **other), check=False)
+    assert proc.returncode != 0
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "IncompatibleCheckpoint:" in x and "failed" in x]
+    assert lines and "trained with tokenizer huggingface" in lines[0] and "fix:" in lines[0], proc.stderr[-2000:]
+    assert "tok-a.json" in lines[0] and "tok-b.json" in lines[0]
 
 
 def test_the_exporter_serves_the_newest_validation_loss() -> None:

@@ -68,9 +68,21 @@ def encode_batch(codec: Codec, batch: list[str]) -> EncodedBatch:
     return EncodedBatch(ids, lengths, sum(len(doc.encode("utf-8")) for doc in batch))
 
 
-def batched(documents: Iterable[str], size: int) -> Iterator[list[str]]:
-    it = iter(documents)
-    while batch := list(itertools.islice(it, size)):
+BATCH_BYTES = 1 << 20  # a batch also ends at ~1 MiB of text: work spreads over the workers even
+# when a corpus has few, long documents (source files, books)
+
+
+def batched(documents: Iterable[str], size: int, max_bytes: int = BATCH_BYTES) -> Iterator[list[str]]:
+    """Consecutive documents, at most ``size`` of them or about ``max_bytes`` of text per batch."""
+    batch: list[str] = []
+    held = 0
+    for doc in documents:
+        batch.append(doc)
+        held += len(doc)
+        if len(batch) >= size or held >= max_bytes:
+            yield batch
+            batch, held = [], 0
+    if batch:
         yield batch
 
 
