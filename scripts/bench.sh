@@ -15,3 +15,5 @@ if [ -z "${S3_ENDPOINT_URL:-}" ] && command -v radosgw >/dev/null; then
 fi
 cd "$here"
 PYTHONWARNINGS=ignore "$py" -m bench.suite "$@"
+# Data preparation: pretrain prepare-data against the raw tokenizer encode (bench/prepare_numbers.py).
+PYTHONWARNINGS=ignore "$py" -m bench.prepare_numbers 48 | tee "$here/bench/results/prepare-$(date +%F).json"
