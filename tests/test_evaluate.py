@@ -15,7 +15,7 @@ from tests.helpers import PYTHON, TINY, flip_byte, job_env, overrides_for, torch
 pytestmark = pytest.mark.slow
 
 
-def _evaluate(tmp: Path, nproc: int, checkpoint: Path, overrides: list[str]) -> subprocess.CompletedProcess[str]:
+def _evaluate(tmp: Path, nproc: int, checkpoint: Path | str, overrides: list[str]) -> subprocess.CompletedProcess[str]:
     launch = torchrun_prefix(nproc) if nproc > 1 else [PYTHON]
     cmd = [*launch, "-m", "pretrain", "evaluate", "--config", str(TINY), "--checkpoint", str(checkpoint)]
     for item in overrides:
@@ -44,6 +44,14 @@ def test_the_same_loss_at_any_topology(tmp_path: Path, corpus: Path) -> None:
     assert at_tp1["loss"] == pytest.approx(at_tp2["loss"], rel=1e-5)
     assert local["loss"] == pytest.approx(at_tp2["loss"], rel=1e-5)
     assert at_tp1["perplexity"] == pytest.approx(2.718281828 ** at_tp1["loss"], rel=1e-6)
+
+    # Tier 3: promoted by the uploader, downloaded and verified by evaluate, the same loss.
+    store = f"file://{tmp_path / 's3'}"
+    up = [PYTHON, "-m", "tiering", "upload", store, "--run-id", "t", "--staging-dir", str(train / "reshard"), "--once"]
+    subprocess.run(up, check=True, capture_output=True, timeout=120, env=job_env(ev))
+    remote = _result(_evaluate(ev, 1, store, overrides_for(ev, corpus, **common)))
+    assert (remote["kind"], remote["step"]) == ("s3", 20)
+    assert remote["loss"] == pytest.approx(at_tp1["loss"], rel=1e-5)
 
     flip_byte(next((reshardable / "model").glob("*.distcp")))
     bad = _evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common))
