@@ -17,7 +17,7 @@ import torch
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
 from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
-from tiering.fsio import sha256_file
+from tiering.digest import hash_file
 from tiering.posix import PosixTier
 
 
@@ -35,7 +35,7 @@ def test_the_written_snapshot_is_the_state_at_the_save(tmp_path: Path, mode: str
             weights["m"].mul_(0.5).add_(3.0)
         outcome = write.poll(block=True)
         assert outcome is not None and outcome.ok, outcome
-        assert outcome.digest == sha256_file(path), "the digest computed while writing is the file's"
+        assert outcome.digest == hash_file(path), "the digest computed while writing is the file's"
         saved = torch.load(path, weights_only=True)["model"]
         assert torch.equal(saved["w"], expected["w"]) and torch.equal(saved["m"], expected["m"])
         expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
@@ -87,7 +87,7 @@ def test_background_and_synchronous_saves_hold_identical_state(tmp_path: Path, c
             )
             # trainer.pt holds the config (async on/off); DCP's .metadata a random save id.
             skip = {"trainer.pt", "model/.metadata"}
-            digests[n] = {f["path"]: f["sha256"] for f in manifest["files"] if f["path"] not in skip}
+            digests[n] = {f["path"]: f["digest"] for f in manifest["files"] if f["path"] not in skip}
         assert any(p.endswith(".distcp") for p in digests["sync"]), digests["sync"]
         assert digests["sync"] == digests[mode], step
     ev = events(runs[mode] / "runs" / "t")

@@ -1,4 +1,4 @@
-"""Durable file-system primitives: fsync of files and directories, atomic writes, hashing."""
+"""Durable file-system primitives: fsync of files and directories, atomic writes, hashed writes."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import hashlib
 import io
 import mmap
 import os
-import queue
-import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+from tiering.digest import DEFAULT_HASHING, ChunkedDigest, ChunkHashingSink, HashSpec
 
 HASH_BLOCK = 8 * 1024 * 1024
 
@@ -61,7 +61,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def sha256_file(path: Path) -> tuple[int, str]:
-    """Return ``(bytes, sha256 hex)`` of a file.
+    """Return ``(bytes, sha256 hex)`` of a file (format v1 manifests).
 
     Large files are hashed through ``mmap``: the pages are hashed where the kernel reads them,
     without copying every byte into a Python buffer first (a third of the cost of a verify).
@@ -86,61 +86,36 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-class _HashingSink(io.RawIOBase):
-    """A write-only file that writes to ``raw`` while another thread hashes the same bytes.
+class _Sink(io.RawIOBase):
+    """The file object ``torch.save`` writes to: every write goes through the hashing sink."""
 
-    ``hashlib`` and ``write(2)`` both release the GIL, so on two cores the digest costs no time
-    beyond the write: the file is never read back to be hashed. Large buffers (tensor storages
-    handed over by ``torch.save``) are hashed in place; small ones are copied, since the caller
-    may reuse them.
-    """
-
-    _COPY_BELOW = 1 << 20
-
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, sink: ChunkHashingSink) -> None:
         super().__init__()
-        self._raw = raw
-        self._digest = hashlib.sha256()
-        self._size = 0
-        self._pending: queue.Queue[memoryview | bytes | None] = queue.Queue(maxsize=64)
-        self._hasher = threading.Thread(target=self._hash_loop, name="sha256", daemon=True)
-        self._hasher.start()
-
-    def _hash_loop(self) -> None:
-        while (block := self._pending.get()) is not None:
-            self._digest.update(block)
+        self._sink = sink
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: bytes | memoryview) -> int:  # type: ignore[override]
-        view = memoryview(data).cast("B")
-        self._pending.put(bytes(view) if view.nbytes < self._COPY_BELOW else view)
-        written = 0
-        while written < view.nbytes:
-            written += self._raw.write(view[written:])
-        self._size += written
-        return written
-
-    def finish(self) -> tuple[int, str]:
-        """Wait for the hasher; ``(bytes, sha256 hex)`` of everything written."""
-        self._pending.put(None)
-        self._hasher.join()
-        return self._size, self._digest.hexdigest()
+        return self._sink.write(data)
 
 
-def write_file_durably(path: Path, write: Callable[[IO[bytes]], object]) -> tuple[int, str]:
-    """Create ``path`` with ``write(file)``, fsync it and its directory; returns its size and
-    SHA-256, computed while writing (for the manifest: nothing is read back)."""
+def write_file_durably(
+    path: Path,
+    write: Callable[[IO[bytes]], object],
+    spec: HashSpec = DEFAULT_HASHING,
+) -> ChunkedDigest:
+    """Create ``path`` with ``write(file)``, fsync it and its directory; returns its chunked
+    digest, computed while writing on ``spec.threads`` hashing threads (nothing is read back)."""
     with open(path, "xb", buffering=0) as raw:
-        sink = _HashingSink(raw)
+        sink = ChunkHashingSink(raw, spec.name, spec.chunk_bytes, spec.threads)
         try:
-            write(sink)
+            write(_Sink(sink))
         finally:
-            size, digest = sink.finish()
+            digest = sink.finish()
         os.fsync(raw.fileno())
     fsync_dir(path.parent)
-    return size, digest
+    return digest
 
 
 def dir_size(root: Path) -> int:

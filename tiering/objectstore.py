@@ -1,9 +1,10 @@
 """Object stores behind one small Protocol: S3 (boto3) and a ``file://`` directory that emulates it.
 
 Only what the durable tier needs: immutable uploads (multipart for large files), conditional
-writes (``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace), listing, ranged-free
-downloads and deletes. The file emulation gives conditional create through an exclusive hard link
-and conditional replace under a lock, so the same protocol runs with no server (``make demo``).
+writes (``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace), listing, whole and
+ranged downloads (a restore fetches and checks one digest chunk per ranged GET) and deletes. The
+file emulation gives conditional create through an exclusive hard link and conditional replace
+under a lock, so the same protocol runs with no server (``make demo``).
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
-    sha256: str | None = None  # as recorded at upload (object metadata), when known
+    digest: str | None = None  # "<hash>:<whole-file digest>" recorded at upload (object metadata), when known
 
 
 class ObjectStore(Protocol):
     url: str
 
-    def put_file(self, key: str, path: Path, sha256: str) -> None: ...
+    def put_file(self, key: str, path: Path, digest: str) -> None: ...
 
     def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         """Write ``data``; return the new ETag. Raises PreconditionFailed when a condition fails."""
@@ -53,6 +54,10 @@ class ObjectStore(Protocol):
         ...
 
     def download_file(self, key: str, path: Path) -> None: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (a ranged GET); KeyError if it is missing."""
+        ...
 
     def head(self, key: str) -> ObjectInfo | None: ...
 
@@ -160,8 +165,8 @@ class S3Store:
                 "checkpoint.s3.endpoint_url, network and credentials"
             ) from exc
 
-    def put_file(self, key: str, path: Path, sha256: str) -> None:
-        extra: dict[str, Any] = {"Metadata": {"sha256": sha256}}
+    def put_file(self, key: str, path: Path, digest: str) -> None:
+        extra: dict[str, Any] = {"Metadata": {"digest": digest}}
         if self.checksum_header:
             extra["ChecksumAlgorithm"] = "SHA256"
         with self._errors(key):
@@ -185,14 +190,22 @@ class S3Store:
         with self._errors(key):
             self.client.download_file(self.bucket, key, str(path), Config=self.transfer)
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        with self._errors(key):
+            resp = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+            return resp["Body"].read()
+
     def head(self, key: str) -> ObjectInfo | None:
         try:
             with self._errors(key):
                 resp = self.client.head_object(Bucket=self.bucket, Key=key)
         except KeyError:
             return None
-        sha = resp.get("Metadata", {}).get("sha256")
-        return ObjectInfo(key, resp["ContentLength"], resp["ETag"].strip('"'), sha)
+        meta = resp.get("Metadata", {})
+        digest = meta.get("digest") or (f"sha256:{meta['sha256']}" if "sha256" in meta else None)
+        return ObjectInfo(key, resp["ContentLength"], resp["ETag"].strip('"'), digest)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         out = []
@@ -278,11 +291,15 @@ class FileStore:
             os.fsync(fh.fileno())
         return tmp
 
-    def put_file(self, key: str, path: Path, sha256: str) -> None:
+    def _meta(self, dst: Path) -> Path:
+        return dst.parent / f".{dst.name}.digest"  # object metadata (dot files are not objects)
+
+    def put_file(self, key: str, path: Path, digest: str) -> None:
         dst = self._path(key)
         with open(path, "rb") as src:
             tmp = self._stage(dst, lambda fh: shutil.copyfileobj(src, fh, 16 * 1024 * 1024))
         os.replace(tmp, dst)
+        self._meta(dst).write_text(digest)
 
     def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         dst = self._path(key)
@@ -328,12 +345,20 @@ class FileStore:
             raise KeyError(key)
         shutil.copyfile(src, path)
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        path = self._path(key)
+        if not path.is_file():
+            raise KeyError(key)
+        with open(path, "rb", buffering=0) as fh:
+            return os.pread(fh.fileno(), length, start)
+
     def head(self, key: str) -> ObjectInfo | None:
         path = self._path(key)
         if not path.is_file():
             return None
-        data = path.read_bytes()
-        return ObjectInfo(key, len(data), hashlib.md5(data).hexdigest(), hashlib.sha256(data).hexdigest())
+        meta = self._meta(path)
+        digest = meta.read_text() if meta.is_file() else None
+        return ObjectInfo(key, path.stat().st_size, hashlib.md5(path.read_bytes()).hexdigest(), digest)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         base = self.root
@@ -352,6 +377,7 @@ class FileStore:
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
+            self._meta(self._path(key)).unlink(missing_ok=True)
 
     def abort_multipart_uploads(self, prefix: str) -> int:
         n = 0

@@ -223,7 +223,14 @@ class PeerRecovery:
                 store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
                 try:
                     publish_received(
-                        store.layout, payload.manifest_raw, payload.files(), self.attempt, self.run_id, step, self.rank
+                        store.layout,
+                        payload.manifest_raw,
+                        payload.files(),
+                        self.attempt,
+                        self.run_id,
+                        step,
+                        self.rank,
+                        checked=payload.checked,
                     )
                     path = store.step_path(step)
                 except (VerificationError, PublishError, OSError) as exc:

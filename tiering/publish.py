@@ -1,8 +1,9 @@
 """The publish protocol for a POSIX tier (node-local NVMe or a shared file system).
 
 1. ``begin``: rank 0 creates a unique ``step-N.tmp-<attempt>`` directory; every rank writes into it.
-2. ``commit`` (collective): every rank fsyncs what it wrote and hashes a share of the files; rank 0
-   gathers sizes and SHA-256 into ``manifest.json``, fsyncs, renames the directory to ``step-N``
+2. ``commit`` (collective): every rank fsyncs what it wrote and hashes a share of the files (the
+   chunked digests its writer computed while writing are taken as they are); rank 0 gathers sizes
+   and digests into ``manifest.json``, fsyncs, renames the directory to ``step-N``
    (atomic on one file system), writes ``COMMITTED`` bound to the manifest, and replaces
    ``latest.json`` last. A published step directory is never overwritten.
 3. ``abort``: if any rank failed, the temporary directory is removed and nothing is published.
@@ -10,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from tiering.collective import Collective
+from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec, StreamChecker, hash_bytes, hash_file
 from tiering.errors import PublishError, ReplicaRejected
-from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree, sha256_file
+from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
 from tiering.verify import committed_marker
@@ -30,10 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class PosixStepPublisher:
-    def __init__(self, layout: RunLayout, coll: Collective, attempt: str) -> None:
+    """Publishes steps under ``layout``; files nobody hashed while writing are hashed at commit
+    as ``hashing`` says (its thread count bounds the CPU taken from the ranks)."""
+
+    def __init__(self, layout: RunLayout, coll: Collective, attempt: str, hashing: HashSpec = DEFAULT_HASHING) -> None:
         self.layout = layout
         self.coll = coll
         self.attempt = attempt
+        self.hashing = hashing
 
     def begin(self, step: int, expected_bytes: int = 0) -> Path:
         """Create the temporary step directory (rank 0) and return it on every rank.
@@ -71,13 +76,13 @@ class PosixStepPublisher:
         tmp: Path,
         manifest: Manifest,
         local_error: str | None = None,
-        known: dict[str, tuple[int, str]] | None = None,
+        known: dict[str, ChunkedDigest] | None = None,
     ) -> Manifest:
         """Collective: publish ``tmp`` as its step, or abort everywhere if any rank failed.
 
         Every rank must call this, passing ``local_error`` (one line) if writing its part failed.
-        ``known`` maps files (relative paths) to the ``(bytes, sha256)`` their writer computed
-        while writing them: those are not read back (a size that differs on disk is an error).
+        ``known`` maps files (relative paths) to the chunked digest their writer computed while
+        writing them: those are not read back (a size that differs on disk is an error).
         """
         error: str | None = None
         errors = [(rank, err) for rank, err in enumerate(self.coll.all_gather(local_error)) if err]
@@ -88,7 +93,7 @@ class PosixStepPublisher:
             try:
                 names = self.coll.broadcast(_list_files(tmp) if self.coll.rank == 0 else None)
                 world, rank = self.coll.world_size, self.coll.rank
-                entries = [_hash_entry(tmp, rel, known) for i, rel in enumerate(names) if i % world == rank]
+                entries = [self._entry(tmp, rel, known) for i, rel in enumerate(names) if i % world == rank]
             except OSError as exc:
                 error = f"{exc.filename or tmp}: {exc.strerror or exc}"
             except PublishError as exc:
@@ -111,6 +116,15 @@ class PosixStepPublisher:
         self.coll.barrier()
         if self.coll.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _entry(self, root: Path, rel: str, known: dict[str, ChunkedDigest] | None) -> FileEntry:
+        if known and rel in known:
+            digest = known[rel]
+            on_disk = (root / rel).stat().st_size
+            if on_disk != digest.size:
+                raise PublishError(f"{root / rel}: {on_disk} bytes on disk, its writer wrote {digest.size}")
+            return FileEntry.of(rel, digest)
+        return FileEntry.of(rel, hash_file(root / rel, self.hashing))
 
     def _publish(self, tmp: Path, manifest: Manifest) -> None:
         raw = manifest.to_json()
@@ -162,15 +176,18 @@ def _list_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _hash_entry(root: Path, rel: str, known: dict[str, tuple[int, str]] | None = None) -> FileEntry:
-    if known and rel in known:
-        size, digest = known[rel]
-        on_disk = (root / rel).stat().st_size
-        if on_disk != size:
-            raise PublishError(f"{root / rel}: {on_disk} bytes on disk, its writer wrote {size}")
-        return FileEntry(rel, size, digest)
-    size, digest = sha256_file(root / rel)
-    return FileEntry(rel, size, digest)
+def _check_received(manifest: Manifest, files: list[tuple[str, bytes | memoryview]]) -> tuple[str, str] | None:
+    """Files already in memory: v2 chunks on two threads, v1 whole (SHA-256); the first failure."""
+    listed = {f.path: f for f in manifest.files}
+    for rel, data in files:
+        expected = listed[rel].chunked
+        if expected is None:
+            bad = None if hash_bytes("sha256", data) == listed[rel].sha256 else (rel, "bytes do not match the manifest's SHA-256")
+        else:
+            bad = StreamChecker(memoryview(data).cast("B"), [(rel, expected)]).result()
+        if bad is not None:
+            return bad
+    return None
 
 
 def manifest_for(run_id: str, step: int, world_size: int, parallelism: dict[str, int], **fields: Any) -> Manifest:
@@ -185,12 +202,15 @@ def publish_received(
     expect_run_id: str,
     expect_step: int,
     expect_owner: int | None = None,
+    checked: StreamChecker | None = None,
 ) -> Manifest:
     """Publish a step received from another rank, byte for byte under the owner's manifest.
 
-    Sizes and SHA-256 of every received file are checked against the manifest (and the manifest
+    Sizes and digests of every received file are checked against the manifest (and the manifest
     against the run, step and owner the sender claims) before anything is published; a mismatch
-    raises :class:`ReplicaRejected` and nothing is written.
+    raises :class:`ReplicaRejected` naming the file and chunk, and nothing is written. ``checked``:
+    the chunks were already checked as they arrived (by the transport, against this manifest), so
+    nothing is hashed a second time here.
     """
     final = layout.step_dir(expect_step)
     where = final / MANIFEST_NAME
@@ -216,11 +236,11 @@ def publish_received(
         raise ReplicaRejected(final / missing[0], "received files differ from the manifest", "the replica is discarded")
     for rel, data in received.items():
         check_relative_path(rel, where)
-        entry = listed[rel]
-        if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise ReplicaRejected(
-                final / rel, "received bytes do not match the manifest's size/SHA-256", "the replica is discarded"
-            )
+        if len(data) != listed[rel].bytes:
+            raise ReplicaRejected(final / rel, "received size differs from the manifest", "the replica is discarded")
+    bad = checked.result() if checked is not None else _check_received(manifest, files)
+    if bad is not None:
+        raise ReplicaRejected(final / bad[0], f"received {bad[1]}", "the replica is discarded")
     if final.exists():
         if (final / COMMITTED_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == manifest_raw:
             return manifest  # already here, identical: idempotent

@@ -26,13 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiering.digest import bad_chunk_reason, chunk_range, hash_bytes
 from tiering.errors import CheckpointError, VerificationError
 from tiering.layout import RunLayout, parse_step_name, step_name
-from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
 from tiering.publish import publish_dir
 from tiering.retention import ObjectStoreRetention, StepView
-from tiering.verify import committed_marker, verify_step
+from tiering.verify import committed_marker, read_manifest, verify_step
 
 log = logging.getLogger(__name__)
 
@@ -126,20 +127,23 @@ class RemoteTier:
     # -- upload ----------------------------------------------------------------------------------
     def upload_step(self, step_dir: Path) -> UploadResult:
         """Upload one verified local step; resumable (objects already there with the right size
-        and SHA-256 are kept). Order: objects, size check, manifest, COMMITTED, latest.json."""
+        and digest are kept). Order: objects, size check, manifest, COMMITTED, latest.json.
+
+        The local step is verified (every chunk, on every core) while its objects upload, not
+        before: a step that fails is never committed (its objects stay uncommitted garbage for GC).
+        """
         t0 = time.perf_counter()
-        manifest = verify_step(step_dir, expect_run_id=self.run_id)
+        manifest = read_manifest(step_dir)
+        if manifest.run_id != self.run_id:
+            raise VerificationError(
+                step_dir / MANIFEST_NAME, f"manifest belongs to run {manifest.run_id!r}, not {self.run_id!r}"
+            )
         raw = (step_dir / MANIFEST_NAME).read_bytes()
         step = manifest.step
-        existing = {o.key for o in self.store.list(self.step_key(step) + "/")}
-        skipped = 0
-        for entry in manifest.files:
-            key = self.step_key(step, entry.path)
-            have = self.store.head(key) if key in existing else None
-            if have is not None and have.size == entry.bytes and have.sha256 == entry.sha256:
-                skipped += 1  # left by an interrupted upload of this same step: keep it
-                continue
-            self.store.put_file(key, step_dir / entry.path, entry.sha256)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-upload") as checker:
+            verified = checker.submit(verify_step, step_dir, expect_run_id=self.run_id)
+            skipped = self._put_objects(step_dir, manifest)
+            verified.result()  # raises VerificationError: nothing below happens
         for entry in manifest.files:
             info = self.store.head(self.step_key(step, entry.path))
             if info is None or info.size != entry.bytes:
@@ -151,6 +155,19 @@ class RemoteTier:
         self.store.put_bytes(self.step_key(step, COMMITTED_NAME), committed_marker(step, raw))
         self.update_latest(step)
         return UploadResult(step, manifest.total_bytes, time.perf_counter() - t0, skipped)
+
+    def _put_objects(self, step_dir: Path, manifest: Manifest) -> int:
+        """Upload every file of the step; returns how many were already there (same size and digest)."""
+        existing = {o.key for o in self.store.list(self.step_key(manifest.step) + "/")}
+        skipped = 0
+        for entry in manifest.files:
+            key = self.step_key(manifest.step, entry.path)
+            have = self.store.head(key) if key in existing else None
+            if have is not None and have.size == entry.bytes and have.digest == entry.identity:
+                skipped += 1  # left by an interrupted upload of this same step: keep it
+                continue
+            self.store.put_file(key, step_dir / entry.path, entry.identity)
+        return skipped
 
     def update_latest(self, step: int, attempts: int = 5) -> None:
         """Point latest.json at ``step`` unless it already names a newer one (conditional write)."""
@@ -227,7 +244,12 @@ class RemoteTier:
         return manifest, raw
 
     def download_step(self, step: int, layout: RunLayout, attempt: str) -> Path:
-        """Download, verify every byte, and publish the step locally under ``layout``."""
+        """Download, verify every byte, and publish the step locally under ``layout``.
+
+        Format v2: every digest chunk is one ranged GET, checked as it arrives (several in
+        parallel) and written once at its offset; nothing is read back. Format v1: whole objects,
+        then one SHA-256 pass.
+        """
         manifest, raw = self.read_manifest(step)
         final = layout.step_dir(step)
         if final.exists():
@@ -240,18 +262,15 @@ class RemoteTier:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-
-            def fetch(rel: str) -> None:
-                dst = tmp / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                self.store.download_file(self.step_key(step, rel), dst)
-
-            with ThreadPoolExecutor(max_workers=self.download_concurrency) as pool:
-                list(pool.map(fetch, [f.path for f in manifest.files]))
+            chunked = all(f.chunked is not None for f in manifest.files)
+            if chunked:
+                self._fetch_chunks(step, tmp, manifest)
+            else:
+                self._fetch_whole(step, tmp, manifest)
             (tmp / MANIFEST_NAME).write_bytes(raw)
             (tmp / COMMITTED_NAME).write_bytes(committed_marker(step, raw))
             try:
-                verify_step(tmp, expect_run_id=self.run_id)
+                verify_step(tmp, expect_run_id=self.run_id, hash_files=not chunked)
             except VerificationError as exc:
                 rel = Path(exc.path).relative_to(tmp).as_posix() if exc.path.startswith(str(tmp)) else exc.path
                 raise VerificationError(
@@ -266,6 +285,49 @@ class RemoteTier:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+    def _fetch_whole(self, step: int, tmp: Path, manifest: Manifest) -> None:
+        def fetch(rel: str) -> None:
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            self.store.download_file(self.step_key(step, rel), dst)
+
+        with ThreadPoolExecutor(max_workers=self.download_concurrency) as pool:
+            list(pool.map(fetch, [f.path for f in manifest.files]))
+
+    def _fetch_chunks(self, step: int, tmp: Path, manifest: Manifest) -> None:
+        """Ranged GETs of every chunk, ``download_concurrency`` at a time, each checked against its
+        digest before it is written; the first bad chunk fails the step, naming object and chunk."""
+        fds: dict[str, int] = {}
+        try:
+            for entry in manifest.files:
+                dst = tmp / entry.path
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                fds[entry.path] = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.ftruncate(fds[entry.path], entry.bytes)
+            jobs = [(f, i) for f in manifest.files for i in range(len(f.chunks))]
+
+            def fetch(job: tuple[FileEntry, int]) -> str | None:
+                entry, index = job
+                start, length = chunk_range(index, entry.bytes, entry.chunk_bytes)
+                data = self.store.get_range(self.step_key(step, entry.path), start, length)
+                if len(data) != length:
+                    return f"{entry.path}\0chunk {index}: {len(data)} bytes received, {length} expected (truncated)"
+                if hash_bytes(entry.hash, data) != entry.chunks[index]:
+                    return f"{entry.path}\0{bad_chunk_reason(index, len(entry.chunks), entry.bytes, entry.chunk_bytes)}"
+                os.pwrite(fds[entry.path], data, start)
+                return None
+
+            with ThreadPoolExecutor(max_workers=self.download_concurrency) as pool:
+                bad = next((b for b in pool.map(fetch, jobs) if b is not None), None)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if bad is not None:
+            rel, reason = bad.split("\0", 1)
+            raise VerificationError(
+                self.where(self.step_key(step, rel)), reason, "the step is skipped; an older verified step is used"
+            )
 
     def restore_newest(
         self, layout: RunLayout, attempt: str, exclude: set[int] | frozenset[int] = frozenset()

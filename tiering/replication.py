@@ -112,7 +112,14 @@ class PeerReplicator:
                 self.before_accept(owner, step)
             store = replica_store(self.node_root, owner, self.run_id, self.keep)
             publish_received(
-                store.layout, payload.manifest_raw, payload.files(), self.attempt, self.run_id, step, owner
+                store.layout,
+                payload.manifest_raw,
+                payload.files(),
+                self.attempt,
+                self.run_id,
+                step,
+                owner,
+                checked=payload.checked,
             )
             return "ok"
         except (VerificationError, PublishError, OSError, ValueError) as exc:

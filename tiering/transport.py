@@ -3,9 +3,11 @@
 A step travels as a JSON header (owner, step, run id, the owner's exact ``manifest.json`` bytes,
 file names and sizes) and one contiguous byte tensor holding every file. Files are read straight
 into that tensor and received into one preallocated tensor, so the bytes are not copied on the
-way. Every pair of ranks that may talk exchanges sizes first (0 means "nothing this time"), so a
-rank whose save failed never leaves its peer waiting. Every wait has a timeout: a dead or hung
-peer costs at most ``timeout_s``, never a hang.
+way. The receiver checks each digest chunk as soon as it has arrived (:class:`StreamChecker`,
+against the manifest in the header), while the rest is still on the wire: nothing is hashed again
+before the replica is committed. Every pair of ranks that may talk exchanges sizes first (0 means
+"nothing this time"), so a rank whose save failed never leaves its peer waiting. Every wait has a
+timeout: a dead or hung peer costs at most ``timeout_s``, never a hang.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tiering.digest import ChunkedDigest, StreamChecker
+from tiering.errors import VerificationError
 from tiering.manifest import MANIFEST_NAME, Manifest
 
 CHUNK = 64 * 1024 * 1024
@@ -30,6 +34,7 @@ class StepPayload:
     manifest_raw: bytes
     names: list[tuple[str, int]]  # (relative path, size) in data order
     data: torch.Tensor  # uint8, every file back to back
+    checked: StreamChecker | None = None  # set on a received payload whose chunks were checked on arrival
 
     @classmethod
     def from_step_dir(cls, step_dir: Path, header: dict[str, Any]) -> StepPayload:
@@ -96,28 +101,31 @@ class Transport:
 
         recv_head: dict[int, torch.Tensor] = {}
         recv_data: dict[int, torch.Tensor] = {}
-        works = []
+        pieces: dict[int, list[tuple[int, Any]]] = {}  # src -> [(end offset, work)] in data order
+        head_works: dict[int, Any] = {}
         for src in incoming:
             head_len, data_len = (int(x) for x in sizes[src].tolist())
             if src in errors or head_len == 0:
                 continue
             recv_head[src] = torch.empty(head_len, dtype=torch.uint8)
             recv_data[src] = torch.empty(data_len, dtype=torch.uint8)
-            works.append((src, dist.irecv(recv_head[src], src=src, group=self.group, tag=2)))
-            works += [
-                (src, dist.irecv(chunk, src=src, group=self.group, tag=3 + i))
+            head_works[src] = (recv_head[src], dist.irecv(recv_head[src], src=src, group=self.group, tag=2))
+            pieces[src] = [
+                (int(chunk.storage_offset()) + chunk.numel(), dist.irecv(chunk, src=src, group=self.group, tag=3 + i))
                 for i, chunk in enumerate(_chunks(recv_data[src]))
             ]
+        sends = []
         for dst, payload in outgoing.items():
             if payload is None or dst in errors:
                 continue
             head = torch.frombuffer(bytearray(heads[dst]), dtype=torch.uint8)
-            works.append((dst, dist.isend(head, dst=dst, group=self.group, tag=2)))
-            works += [
+            sends.append((dst, dist.isend(head, dst=dst, group=self.group, tag=2)))
+            sends += [
                 (dst, dist.isend(chunk, dst=dst, group=self.group, tag=3 + i))
                 for i, chunk in enumerate(_chunks(payload.data))
             ]
-        self._wait(works, errors)
+        checkers = {src: self._receive(src, head_works[src], recv_data[src], pieces[src], errors) for src in recv_head}
+        self._wait(sends, errors)
 
         received = {}
         for src in recv_head:
@@ -125,9 +133,31 @@ class Transport:
                 continue
             try:
                 received[src] = StepPayload.from_wire(recv_head[src].numpy().tobytes(), recv_data[src])
+                received[src].checked = checkers[src]
             except (ValueError, KeyError, UnicodeDecodeError) as exc:
                 errors[src] = f"malformed payload: {exc}"
         return received, errors
+
+    def _receive(
+        self,
+        src: int,
+        head_work: tuple[torch.Tensor, Any],
+        data: torch.Tensor,
+        pieces: list[tuple[int, Any]],
+        errors: dict[int, str],
+    ) -> StreamChecker | None:
+        """Wait for one peer's header, then its data pieces in order, checking every digest chunk
+        that is complete while the next piece arrives."""
+        head, work = head_work
+        self._wait([(src, work)], errors)
+        checker = None if src in errors else _checker_for(head, data)
+        for end, work in pieces:
+            self._wait([(src, work)], errors)
+            if src in errors:
+                return None
+            if checker is not None:
+                checker.arrived(end)
+        return checker
 
     def _wait(self, works: list[tuple[int, Any]], errors: dict[int, str]) -> None:
         for peer, work in works:
@@ -138,6 +168,27 @@ class Transport:
                     errors[peer] = f"timed out after {self.timeout.total_seconds():.0f}s"
             except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
                 errors[peer] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _checker_for(head: torch.Tensor, data: torch.Tensor) -> StreamChecker | None:
+    """A checker for a payload whose header lists chunked (v2) digests for exactly its files, in
+    data order; otherwise None (the receiver then checks the whole files before committing)."""
+    try:
+        body = json.loads(head.numpy().tobytes().decode("utf-8"))
+        manifest = Manifest.from_json(body["manifest"].encode("utf-8"), "<received manifest>")
+        names = [(str(n), int(s)) for n, s in body["files"]]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, VerificationError):
+        return None
+    listed = {f.path: f.chunked for f in manifest.files}
+    files: list[tuple[str, ChunkedDigest]] = []
+    for rel, size in names:
+        expected = listed.get(rel)
+        if expected is None or expected.size != size:
+            return None
+        files.append((rel, expected))
+    if sum(size for _, size in names) != data.numel():
+        return None
+    return StreamChecker(memoryview(data.numpy()).cast("B"), files)
 
 
 def _chunks(data: torch.Tensor) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec
 from tiering.fsio import write_file_durably
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class WriteOutcome:
     ok: bool
     error: str | None
     seconds: float
-    digest: tuple[int, str] | None = None  # (bytes, sha256) of the written file
+    digest: ChunkedDigest | None = None  # of the written file, computed while writing
 
 
 def killed_by_signal(pid: int, signum: int) -> str:
@@ -79,19 +80,22 @@ class BackgroundWrite:
         fault: str | None = None,
         buffers: SnapshotBuffers | None = None,
         prepare: Callable[[], object] | None = None,
+        hashing: HashSpec = DEFAULT_HASHING,
     ) -> None:
         """``prepare`` (e.g. creating the step's temporary directory) runs in the writer, before
         the write: file-system metadata calls can stall for long under heavy writeback, and
-        that is no reason to hold up training."""
+        that is no reason to hold up training. ``hashing``: the chunked digest computed while
+        writing (its thread count bounds the writer's extra CPU)."""
         self.mode = mode
         self.path = path
+        self.hashing = hashing
         self.started = time.perf_counter()
         self.snapshot_wait_seconds = 0.0  # what wait_for_snapshot() cost the trainer
         self._pid: int | None = None
         self._report_fd: int | None = None
         self._thread: threading.Thread | None = None
         self._thread_error: str | None = None
-        self._digest: tuple[int, str] | None = None
+        self._digest: ChunkedDigest | None = None
         self._snapshot_done = threading.Event()
         self._snapshot: dict[str, Any] | None = None
         self._outcome: WriteOutcome | None = None
@@ -100,7 +104,7 @@ class BackgroundWrite:
             self._pid = os.fork()
             if self._pid == 0:  # the child: write, fsync, leave without running any parent cleanup
                 os.close(read_fd)
-                _child_write(payload, path, fault, write_fd, prepare)
+                _child_write(payload, path, fault, write_fd, prepare, hashing)
             os.close(write_fd)
             self._report_fd = read_fd
             self._snapshot_done.set()
@@ -147,7 +151,7 @@ class BackgroundWrite:
                 prepare()
             if fault == "slow":
                 time.sleep(0.6)
-            self._digest = write_file_durably(self.path, lambda fh: torch.save(self._snapshot, fh))
+            self._digest = write_file_durably(self.path, lambda fh: torch.save(self._snapshot, fh), self.hashing)
             if fault == "fail":
                 raise OSError("injected writer failure")
         except Exception as exc:  # reported by poll(); the step is not committed
@@ -258,12 +262,17 @@ def _read_report(fd: int | None) -> dict[str, Any]:
     except ValueError:
         return {}  # nothing (killed): the caller has the signal
     if "digest" in report:
-        report["digest"] = (int(report["digest"][0]), str(report["digest"][1]))
+        report["digest"] = ChunkedDigest.from_json(report["digest"])
     return report
 
 
 def _child_write(
-    payload: dict[str, Any], path: Path, fault: str | None, report_fd: int, prepare: Callable[[], object] | None
+    payload: dict[str, Any],
+    path: Path,
+    fault: str | None,
+    report_fd: int,
+    prepare: Callable[[], object] | None,
+    hashing: HashSpec,
 ) -> None:
     code = 0
     report: dict[str, Any] = {}
@@ -274,7 +283,7 @@ def _child_write(
             time.sleep(0.6)
         if prepare is not None:
             prepare()
-        report["digest"] = list(write_file_durably(path, lambda fh: torch.save(payload, fh)))
+        report["digest"] = write_file_durably(path, lambda fh: torch.save(payload, fh), hashing).to_json()
         if fault == "fail":
             raise OSError("injected writer failure")
     except BaseException as exc:  # noqa: BLE001 - the child must always reach os._exit

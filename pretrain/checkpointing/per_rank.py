@@ -35,6 +35,7 @@ from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess, TorchCollective
+from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError
 from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
@@ -78,7 +79,9 @@ class PerRankCheckpoints:
         self.run_id = cfg.run.id
         self.node_root = Path(cfg.checkpoint.local.dir) / cfg.run.id
         self.store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
-        self.publisher = PosixStepPublisher(self.store.layout, SingleProcess(), attempt)
+        integrity = cfg.checkpoint.integrity
+        self.hashing = HashSpec(integrity.local_hash, integrity.chunk_bytes, integrity.hash_threads)
+        self.publisher = PosixStepPublisher(self.store.layout, SingleProcess(), attempt, self.hashing)
         self._record_event = record_event
         self._last_bytes = 0
         self._inflight: dict[str, Any] | None = None
@@ -160,7 +163,7 @@ class PerRankCheckpoints:
         try:
             tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
             payload = self._payload(state)
-            digest = write_file_durably(tmp / STATE_FILE, lambda fh: torch.save(payload, fh))
+            digest = write_file_durably(tmp / STATE_FILE, lambda fh: torch.save(payload, fh), self.hashing)
         except (PublishError, OSError) as exc:
             error = str(exc)
         except Exception as exc:
@@ -208,7 +211,9 @@ class PerRankCheckpoints:
             def make_tmp_dir() -> None:  # in the writer: a mkdir can stall behind writeback
                 self.publisher.begin(step, expected_bytes=expected)
 
-            entry["write"] = BackgroundWrite(mode, payload, tmp / STATE_FILE, fault, buffers, prepare=make_tmp_dir)
+            entry["write"] = BackgroundWrite(
+                mode, payload, tmp / STATE_FILE, fault, buffers, prepare=make_tmp_dir, hashing=self.hashing
+            )
         except (PublishError, OSError) as exc:
             entry["error"] = str(exc)
         except Exception as exc:
@@ -304,7 +309,7 @@ class PerRankCheckpoints:
         error: str | None,
         t0: float,
         blocked_s: float,
-        digest: tuple[int, str] | None = None,
+        digest: ChunkedDigest | None = None,
         coll: Collective | None = None,
         peer_error: str | None = None,
     ) -> SaveResult:
@@ -397,7 +402,7 @@ class PerRankCheckpoints:
     def load(self, restore: PeerRestore, state: TrainingState) -> None:
         if self.phases is not None:
             self.phases.enter("load")
-        payload = torch.load(restore.path / STATE_FILE, map_location="cpu", weights_only=True)
+        payload = load_verified_state(restore.path / STATE_FILE)
         apply_trainer_state(state, payload["trainer"], restore.path / STATE_FILE)
         state.model.load_state_dict(payload["model"], strict=True)
         state.optimizer.load_local_state_dict(payload["optimizer"])
@@ -422,6 +427,13 @@ class PerRankCheckpoints:
 
     def step_bytes(self, step: int) -> int:
         return dir_size(self.store.step_path(step))
+
+
+def load_verified_state(path: Path) -> dict[str, Any]:
+    """Load a ``state.pt`` whose every chunk was just verified (the restore's one read of the
+    disk): mapped, not read again (``mmap=True``), so the load costs no second pass over the bytes
+    and no second copy in memory; tensors are paged in from the verified pages as they are used."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]]]) -> None:

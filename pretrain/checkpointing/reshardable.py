@@ -42,6 +42,7 @@ from pretrain.config import Config
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective
+from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import VerificationError
 from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher
@@ -70,7 +71,11 @@ class ReshardableCheckpoints:
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
         self.tier = PosixTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
-        self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt)
+        # What S3 receives carries a cryptographic digest (blake3); each rank hashes its share of
+        # the files Megatron wrote at commit, on at most hash_threads threads.
+        integrity = cfg.checkpoint.integrity
+        hashing = HashSpec(PORTABLE_HASH, integrity.chunk_bytes, integrity.hash_threads)
+        self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt, hashing)
         self.attempt = attempt
         self._last_step_bytes = 0
         self._warmup = start_writer_warmup()
