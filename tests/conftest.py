@@ -119,3 +119,12 @@ def slurm_cluster():  # noqa: ANN201
     finally:
         subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
         subprocess.run([str(REPO / "scripts" / "slurm" / "stop.sh")], env=env, timeout=60)
+
+
+@pytest.fixture(params=["rgw", "file"])
+def remote_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
+    """The object-store tier twice: a real Ceph RGW bucket, and the file:// emulation."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'objects'}", None
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return f"s3://{request.getfixturevalue('bucket')}/ckpt", endpoint

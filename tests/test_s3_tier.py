@@ -36,14 +36,6 @@ def make_step(root: Path, step: int, size: int = 300_000, shards: int = 2) -> Pa
     return layout.step_dir(step)
 
 
-@pytest.fixture(params=["rgw", "file"])
-def remote_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
-    if request.param == "file":
-        return f"file://{tmp_path / 'objects'}", None
-    endpoint = request.getfixturevalue("s3_endpoint")
-    return f"s3://{request.getfixturevalue('bucket')}/ckpt", endpoint
-
-
 def _remote(uri: str, endpoint: str | None) -> RemoteTier:
     store, prefix = open_store(uri, endpoint, chunk_mb=5)
     return RemoteTier(store, prefix, RUN)

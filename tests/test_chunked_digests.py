@@ -1,0 +1,298 @@
+"""Manifest format v2: chunked digests agree with whole-file hashing on awkward sizes, and every
+corruption of a chunk or of a chunk list is caught on tier 1, on a replica and in the object store,
+named by file and chunk, quarantined, and the next older verified step is used instead."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import events, metrics_by_step, overrides_for, torchrun
+from tiering.collective import SingleProcess
+from tiering.digest import LOCAL_HASH, PORTABLE_HASH, ChunkedDigest, HashSpec, check_file, hash_bytes, hash_file
+from tiering.errors import ReplicaRejected, VerificationError
+from tiering.fsio import write_file_durably
+from tiering.layout import RunLayout
+from tiering.manifest import MANIFEST_NAME, Manifest
+from tiering.peer_restore import PeerRecovery
+from tiering.publish import PosixStepPublisher, manifest_for, publish_received
+from tiering.remote import RemoteTier
+from tiering.replication import primary_store, replica_store
+from tiering.transport import Transport
+from tiering.verify import committed_marker, verify_step
+
+CHUNK = 64 * 1024  # the smallest chunk a manifest accepts: several chunks in a small file
+SPEC = HashSpec(LOCAL_HASH, CHUNK, 2)
+RUN = "t"
+STATE = "state.pt"
+SIZE = 5 * CHUNK + 1234  # six chunks, the last one short
+
+
+# -- chunked hashing == whole-file hashing ---------------------------------------------------------
+def _serial(data: bytes, name: str, chunk: int) -> ChunkedDigest:
+    """The definition, computed the slow obvious way: one chunk after the other."""
+    chunks = tuple(hash_bytes(name, data[start : start + chunk]) for start in range(0, len(data), chunk))
+    return ChunkedDigest(name, chunk, len(data), chunks)
+
+
+@pytest.mark.parametrize("name", [LOCAL_HASH, PORTABLE_HASH, "sha256"])
+@pytest.mark.parametrize("size", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7])
+def test_chunk_verification_equals_whole_file_verification(tmp_path: Path, name: str, size: int) -> None:
+    rng = random.Random(size)
+    data = rng.randbytes(size)
+    path = tmp_path / "f.bin"
+    spec = HashSpec(name, CHUNK, 2)
+
+    def write_in_awkward_pieces(fh: object) -> None:
+        pos = 0
+        while pos < size:
+            n = rng.choice([1, 7, 4096, CHUNK - 3, CHUNK + 5, 2 * CHUNK])
+            fh.write(data[pos : pos + n])  # type: ignore[attr-defined]
+            pos += n
+
+    written = write_file_durably(path, write_in_awkward_pieces, spec)
+    expected = _serial(data, name, CHUNK)
+    assert written == expected, "hashed while writing, in pieces that straddle chunks"
+    assert hash_file(path, spec) == expected, "hashed from disk on two threads"
+    whole = hashlib.sha256(data).hexdigest()
+    positions = [None] + ([0, size // 2, size - 1] if size else [])
+    for pos in positions:
+        corrupt = bytearray(data)
+        if pos is not None:
+            corrupt[pos] ^= 0x20
+        path.write_bytes(bytes(corrupt))
+        whole_ok = hashlib.sha256(corrupt).hexdigest() == whole
+        try:
+            check_file(path, expected, threads=2)
+            chunks_ok = True
+        except VerificationError as exc:
+            chunks_ok = False
+            assert f"chunk {pos // CHUNK} of {len(expected.chunks)}" in str(exc)
+        assert chunks_ok == whole_ok, f"chunked and whole-file verification disagree at byte {pos}"
+
+
+# -- the corruptions -------------------------------------------------------------------------------
+def _rewrite_manifest(step_dir: Path, edit: Callable[[dict], None]) -> None:
+    """Edit a committed manifest and rebind COMMITTED to it, so only the edit itself is wrong."""
+    body = json.loads((step_dir / MANIFEST_NAME).read_text())
+    edit(body)
+    raw = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+    (step_dir / MANIFEST_NAME).write_bytes(raw)
+    (step_dir / "COMMITTED").write_bytes(committed_marker(body["step"], raw))
+
+
+def _flip_middle_chunk(step_dir: Path) -> None:
+    with open(step_dir / STATE, "r+b") as fh:
+        fh.seek(2 * CHUNK + 100)
+        byte = fh.read(1)
+        fh.seek(2 * CHUNK + 100)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+def _truncate_last_chunk(step_dir: Path) -> None:
+    os.truncate(step_dir / STATE, SIZE - 10)
+
+
+def _drop_a_chunk(body: dict) -> None:
+    body["files"][0]["chunks"].pop()
+
+
+def _short_digest(body: dict) -> None:
+    body["files"][0]["chunks"][1] = body["files"][0]["chunks"][1][:20]
+
+
+def _unknown_hash(body: dict) -> None:
+    body["files"][0]["hash"] = "md4"
+
+
+def _future_version(body: dict) -> None:
+    body["schema_version"] = 3
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "chunk flipped in the middle": (_flip_middle_chunk, "chunk 2 of 6"),
+    "truncated last chunk": (_truncate_last_chunk, "truncated in chunk 5 of 6"),
+    "chunk list does not add up": (lambda d: _rewrite_manifest(d, _drop_a_chunk), "5 chunk digests do not add up"),
+    "digest of the wrong length": (lambda d: _rewrite_manifest(d, _short_digest), "chunk 1 digest is not"),
+    "unknown hash name": (lambda d: _rewrite_manifest(d, _unknown_hash), "unknown hash 'md4'"),
+    "format this reader does not know": (
+        lambda d: _rewrite_manifest(d, _future_version),
+        "unsupported manifest schema_version 3",
+    ),
+}
+
+
+def _state_bytes(step: int) -> bytes:
+    return random.Random(step).randbytes(SIZE)
+
+
+def _publish(layout: RunLayout, step: int, spec: HashSpec = SPEC, owner: int = 0) -> Path:
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", spec)
+    tmp = pub.begin(step)
+    data = _state_bytes(step)
+    digest = write_file_durably(tmp / STATE, lambda fh: fh.write(data), spec)
+    manifest = manifest_for(RUN, step, 1, {"tp": 1, "pp": 1, "dp": 1}, extra={"owner_rank": owner})
+    pub.commit(tmp, manifest, known={STATE: digest})
+    return layout.step_dir(step)
+
+
+def _recover(node_root: Path) -> tuple[int | None, str | None, list[str]]:
+    """The real tier 1-2 restore path of a one-rank job on one node."""
+    topology = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
+    recovery = PeerRecovery(RUN, 0, 1, "node-a", node_root, SingleProcess(), Transport(None, 5), topology, 3, "r1")
+    result = recovery.recover()
+    restore = result.restore
+    return (restore.step, restore.tier, result.rejected) if restore else (None, None, result.rejected)
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_tier1_corruption_falls_back_to_the_older_step(tmp_path: Path, corruption: str) -> None:
+    store = primary_store(tmp_path, 0, RUN, 3)
+    for step in (10, 20):
+        _publish(store.layout, step)
+    damage, needle = CORRUPTIONS[corruption]
+    damage(store.step_path(20))
+    step, tier, rejected = _recover(tmp_path)
+    assert (step, tier) == (10, "local")
+    assert len(rejected) == 1 and needle in rejected[0] and "\n" not in rejected[0], rejected
+    assert STATE in rejected[0] or MANIFEST_NAME in rejected[0], "the file is named"
+    assert not store.step_path(20).exists()
+    assert any(p.name.startswith("step-000000020") for p in store.layout.quarantine_dir.iterdir())
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_replica_corruption_falls_back_to_the_older_step(tmp_path: Path, corruption: str) -> None:
+    store = replica_store(tmp_path, 0, RUN, 3)  # this node holds only a replica of rank 0
+    for step in (10, 20):
+        _publish(store.layout, step)
+    damage, needle = CORRUPTIONS[corruption]
+    damage(store.step_path(20))
+    step, tier, rejected = _recover(tmp_path)
+    assert (step, tier) == (10, "peer")
+    assert len(rejected) == 1 and needle in rejected[0], rejected
+    assert not store.step_path(20).exists()
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_received_replica_with_a_corruption_is_never_committed(tmp_path: Path, corruption: str) -> None:
+    """What a peer sends: the same damage in the bytes or the manifest on the wire."""
+    good = _publish(RunLayout(tmp_path / "sender", RUN), 20, owner=1)
+    damage, needle = CORRUPTIONS[corruption]
+    damage(good)
+    raw = (good / MANIFEST_NAME).read_bytes()
+    layout = RunLayout(tmp_path / "replicas", "rank-00001")
+    with pytest.raises(VerificationError) as exc:
+        publish_received(layout, raw, [(STATE, (good / STATE).read_bytes())], "a1", RUN, 20, 1)
+    if "flipped" in corruption:
+        assert isinstance(exc.value, ReplicaRejected) and needle in str(exc.value) and STATE in str(exc.value)
+    elif "truncated" in corruption:
+        assert "size differs" in str(exc.value)
+    else:
+        assert needle in str(exc.value)
+    assert not layout.step_dir(20).exists()
+
+
+def _corrupt_object(remote: RemoteTier, step: int, corruption: str, staging: Path) -> None:
+    """The same damage applied to the objects: bytes rewritten, or manifest + COMMITTED replaced."""
+    copy = staging / "damaged"
+    copy.mkdir()
+    for name in (STATE, MANIFEST_NAME, "COMMITTED"):
+        data, _ = remote.store.get_bytes(remote.step_key(step, name))
+        (copy / name).write_bytes(data)
+    CORRUPTIONS[corruption][0](copy)
+    for name in (STATE, MANIFEST_NAME, "COMMITTED"):
+        remote.store.put_bytes(remote.step_key(step, name), (copy / name).read_bytes())
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_object_store_corruption_falls_back_to_the_older_step(
+    remote_uri: tuple[str, str | None], tmp_path: Path, corruption: str
+) -> None:
+    staging = RunLayout(tmp_path / "staging", RUN)
+    spec = HashSpec(PORTABLE_HASH, CHUNK, 2)
+    remote = RemoteTier.open(remote_uri[0], RUN, endpoint_url=remote_uri[1], concurrency=4)
+    remote.acquire_lease("me")
+    for step in (10, 20):
+        remote.upload_step(_publish(staging, step, spec))
+    _corrupt_object(remote, 20, corruption, tmp_path)
+    back = RunLayout(tmp_path / "back", RUN)
+    step, rejected = remote.restore_newest(back, "r")
+    assert step == 10
+    needle = CORRUPTIONS[corruption][1]
+    if "truncated" in corruption:
+        needle = "bytes received"  # a ranged GET past the shortened object's end comes back short
+    assert rejected and rejected[0][0] == 20 and needle in rejected[0][1] and "\n" not in rejected[0][1], rejected
+    assert not back.step_dir(20).exists()
+    assert (back.step_dir(10) / STATE).read_bytes() == _state_bytes(10)
+    verify_step(back.step_dir(10), expect_run_id=RUN)
+
+
+# -- the v1 format still restores --------------------------------------------------------------------
+FIXTURE = Path(__file__).parent / "fixtures" / "manifest-v1"
+
+
+def test_v1_step_written_before_v2_verifies_and_loads(tmp_path: Path) -> None:
+    """A tier-1 step written by the code of 2026-12-01 (format v1, one SHA-256 per file)."""
+    from pretrain.checkpointing.per_rank import load_verified_state
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE / "t", root / "t")
+    step_dir = root / "t" / "ranks" / "rank-00000" / "steps" / "step-000000010"
+    manifest = verify_step(step_dir, expect_run_id="t")
+    assert manifest.schema_version == 1 and manifest.files[0].sha256 and manifest.files[0].chunked is None
+    payload = load_verified_state(step_dir / STATE)
+    assert payload["trainer"]["step"] == 10 and isinstance(next(iter(payload["model"].values())), torch.Tensor)
+    assert (
+        Manifest.from_json((step_dir / MANIFEST_NAME).read_bytes(), step_dir).to_json()
+        == (step_dir / MANIFEST_NAME).read_bytes()
+    ), "a v1 manifest is kept as v1, byte for byte"
+    with open(step_dir / STATE, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\x00\x01")
+    with pytest.raises(VerificationError, match="SHA-256 does not match"):
+        verify_step(step_dir)
+
+
+V1_JOB = {
+    "train.steps": 20,
+    "checkpoint.local.interval": 10,
+    "checkpoint.reshardable.enabled": "false",
+    "checkpoint.replication.factor": 1,
+    "model.num_layers": 1,
+    "model.hidden_size": 32,
+    "model.num_attention_heads": 2,
+    "model.seq_length": 32,
+    "data.global_batch_size": 4,
+    "data.micro_batch_size": 2,
+    "metrics.enabled": "false",
+    "fault_tolerance.enabled": "false",
+}
+
+
+@pytest.mark.slow
+def test_a_run_resumes_from_a_v1_step(tmp_path: Path, corpus: Path) -> None:
+    """The fixture's run (same corpus, same settings) saved step 10 in format v1; today's code
+    resumes it and trains on exactly as that run did (losses of steps 11-20 recorded with it),
+    and its own next save is format v2."""
+    shutil.copytree(FIXTURE / "t", tmp_path / "ckpt" / "t")
+    torchrun(tmp_path, 1, overrides_for(tmp_path, corpus, **V1_JOB))
+    restores = [e for e in events(tmp_path / "runs" / "t") if e["event"] == "restore"]
+    assert [(r["step"], r["tier"]) for r in restores] == [(10, "local")]
+    recorded = json.loads((FIXTURE / "losses.json").read_text())
+    got = metrics_by_step(tmp_path / "runs" / "t")
+    assert sorted(got) == list(range(11, 21)), "training went on from step 11"
+    for step in range(11, 21):
+        # Bit-exact on the machine the fixture was made on; another CPU may sum in another order.
+        assert got[step]["loss"] == pytest.approx(recorded[str(step)], rel=1e-5), step
+    new = json.loads(
+        (tmp_path / "ckpt" / "t" / "ranks" / "rank-00000" / "steps" / "step-000000020" / MANIFEST_NAME).read_text()
+    )
+    assert new["schema_version"] == 2 and new["files"][0]["hash"] == LOCAL_HASH
