@@ -1,8 +1,11 @@
 """Tier 3 throughput on a real S3 server, each as a ratio to raw boto3 on the same bytes in the same run:
 
-* promotion (``RemoteTier.upload_step``: objects + size checks + manifest + COMMITTED + latest.json,
-  with the SHA-256 already in the manifest) / ``upload_file`` of the same files;
-* restore (download in parallel + SHA-256 of every byte + local publish) / ``download_file``.
+* promotion (``RemoteTier.upload_step``: objects, the local step verified while they upload, size
+  checks, manifest, COMMITTED, latest.json) / ``upload_file`` of the same files;
+* restore (one ranged GET per digest chunk, in parallel, each checked as it arrives and written
+  once, then the local publish) / ``download_file`` of the same files.
+
+Both pairs alternate which path runs first, and report median and spread (:mod:`bench.pairs`).
 
 Run: ``python -m bench.s3_numbers --endpoint-url http://127.0.0.1:7480 --sizes-mb 300 2000``
 (AWS_* credentials from the environment; Ceph RGW test keys are testing/testing).
@@ -13,17 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import shutil
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import boto3
 from boto3.s3.transfer import TransferConfig
 
+from bench.pairs import Pair
 from tiering.collective import SingleProcess
+from tiering.digest import DEFAULT_CHUNK_BYTES, PORTABLE_HASH, HashSpec
 from tiering.layout import RunLayout
 from tiering.objectstore import open_store
 from tiering.publish import PosixStepPublisher, manifest_for
@@ -31,8 +38,9 @@ from tiering.remote import RemoteTier
 
 
 def make_step(root: Path, step: int, total_mb: int, shards: int = 4) -> Path:
+    """A reshardable-like step (what S3 receives): ``shards`` files, blake3 chunk digests."""
     layout = RunLayout(root, "bench")
-    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}")
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH, DEFAULT_CHUNK_BYTES, 2))
     tmp = pub.begin(step)
     (tmp / "model").mkdir()
     per = total_mb * 1024 * 1024 // shards
@@ -46,64 +54,88 @@ def make_step(root: Path, step: int, total_mb: int, shards: int = 4) -> Path:
     return layout.step_dir(step)
 
 
+def measure(client: Any, bucket: str, endpoint: str, size: int, repeats: int, concurrency: int, td: Path) -> dict:
+    """Alternating pairs: promotion vs ``upload_file`` and verified restore vs ``download_file``."""
+    transfer = TransferConfig(multipart_chunksize=64 * 1024 * 1024, max_concurrency=concurrency)
+    store, prefix = open_store(f"s3://{bucket}/tier{size}", endpoint, concurrency)
+    remote = RemoteTier(store, prefix, "bench", concurrency)
+    ups, downs = Pair(), Pair()
+    for rep in range(repeats):
+        _repeat(_Case(client, bucket, remote, transfer, size, rep, td), ups, downs)
+        # Free the server (a memstore RGW holds objects in RAM) before the next repeat.
+        store.delete([o.key for o in store.list(prefix)] + [o.key for o in store.list(f"raw/{size}/{rep}/")])
+    return {"size_mb": round(size * 1.048576), "promotion": ups.summary("throughput"), "restore": downs.summary("time")}
+
+
+@dataclass
+class _Case:
+    client: Any
+    bucket: str
+    remote: RemoteTier
+    transfer: TransferConfig
+    size: int
+    rep: int
+    td: Path
+
+
+def _repeat(c: _Case, ups: Pair, downs: Pair) -> None:
+    """One repeat of both pairs; the raw path goes first on even repeats, second on odd ones."""
+    step = 10 * (c.rep + 1)
+    step_dir = make_step(c.td / f"s{c.size}", step, c.size)
+    files = sorted(p for p in (step_dir / "model").iterdir())
+    down, back = c.td / f"down{c.size}-{c.rep}", c.td / f"back{c.size}-{c.rep}"
+    down.mkdir()
+    raw_key = f"raw/{c.size}/{c.rep}"
+
+    def timed(fn: Any) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def raw_up() -> None:
+        for f in files:
+            c.client.upload_file(str(f), c.bucket, f"{raw_key}/{f.name}", Config=c.transfer)
+
+    def raw_down() -> None:
+        for f in files:
+            c.client.download_file(c.bucket, f"{raw_key}/{f.name}", str(down / f.name), Config=c.transfer)
+
+    pairs = (
+        (ups, lambda: c.remote.upload_step(step_dir), raw_up),
+        (downs, lambda: c.remote.download_step(step, RunLayout(back, "bench"), f"r{c.rep}"), raw_down),
+    )
+    for pair, measured, raw in pairs:
+        if c.rep % 2 == 0:
+            pair.raw.append(timed(raw))
+            pair.measured.append(timed(measured))
+        else:
+            pair.measured.append(timed(measured))
+            pair.raw.append(timed(raw))
+    for path in (down, back, step_dir):
+        shutil.rmtree(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--endpoint-url", default=os.environ.get("S3_ENDPOINT_URL"))
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[300, 2000])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
     client = boto3.client("s3", endpoint_url=args.endpoint_url)
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     client.create_bucket(Bucket=bucket)
-    transfer = TransferConfig(multipart_chunksize=64 * 1024 * 1024, max_concurrency=args.concurrency)
-    results = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as td:
-        for size in args.sizes_mb:
-            rows = []
-            for rep in range(args.repeats):
-                step_dir = make_step(Path(td) / f"s{size}", 10 * (rep + 1), size)
-                files = sorted(p for p in (step_dir / "model").iterdir())
-                t0 = time.perf_counter()
-                for f in files:
-                    client.upload_file(str(f), bucket, f"raw/{size}/{rep}/{f.name}", Config=transfer)
-                raw_up = time.perf_counter() - t0
-                store, prefix = open_store(f"s3://{bucket}/tier{size}", args.endpoint_url, args.concurrency)
-                remote = RemoteTier(store, prefix, "bench", args.concurrency)
-                t1 = time.perf_counter()
-                remote.upload_step(step_dir)
-                tier_up = time.perf_counter() - t1
-                down = Path(td) / f"down{size}-{rep}"
-                down.mkdir()
-                t2 = time.perf_counter()
-                for f in files:
-                    client.download_file(bucket, f"raw/{size}/{rep}/{f.name}", str(down / f.name), Config=transfer)
-                raw_down = time.perf_counter() - t2
-                t3 = time.perf_counter()
-                remote.download_step(10 * (rep + 1), RunLayout(Path(td) / f"back{size}", "bench"), f"r{rep}")
-                tier_down = time.perf_counter() - t3
-                rows.append({"raw_up": raw_up, "tier_up": tier_up, "raw_down": raw_down, "tier_down": tier_down})
-                for path in list(down.iterdir()) + files:
-                    path.unlink()
-                # Free the server (a memstore RGW holds objects in RAM) before the next repeat.
-                keys = [o.key for o in store.list(prefix)] + [f"raw/{size}/{rep}/{f.name}" for f in files]
-                store.delete(keys)
-            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-            mb = size * 1.048576
-            results.append(
-                {
-                    "size_mb": round(mb),
-                    **{k: round(v, 3) for k, v in med.items()},
-                    "promotion_ratio": round(med["raw_up"] / med["tier_up"], 3),
-                    "restore_ratio": round(med["tier_down"] / med["raw_down"], 3),
-                }
-            )
-            r = results[-1]
-            print(
-                f"{r['size_mb']} MB: promotion {mb / med['tier_up']:.0f} MB/s vs raw upload_file "
-                f"{mb / med['raw_up']:.0f} MB/s -> throughput ratio {r['promotion_ratio']:.2f}; restore "
-                f"{med['tier_down']:.2f} s vs raw download_file {med['raw_down']:.2f} s -> {r['restore_ratio']:.2f}x"
-            )
+        results = [
+            measure(client, bucket, args.endpoint_url, size, args.repeats, args.concurrency, Path(td))
+            for size in args.sizes_mb
+        ]
+    for r in results:
+        print(
+            f"{r['size_mb']} MB: promotion / upload_file throughput {r['promotion']['ratio']:.2f} "
+            f"{r['promotion']['ratio_spread']}; verified restore / download_file {r['restore']['ratio']:.2f}x "
+            f"{r['restore']['ratio_spread']}"
+        )
     print(json.dumps(results))
     return 0
 

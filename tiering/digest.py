@@ -19,7 +19,6 @@ files give equal digests whatever thread hashed which chunk.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import queue
 import threading
@@ -130,18 +129,32 @@ def _workers(threads: int) -> int:
 
 
 # -- hashing a file that exists -------------------------------------------------------------------
-def _hash_mapped_chunk(fd: int, name: str, start: int, length: int) -> str:
-    """Hash one chunk through its own mapping: the pages are read where the kernel puts them (no
-    copy into a Python buffer) and unmapped right after, so memory stays at threads x chunk."""
-    if length == 0:
-        return hash_bytes(name, b"")
-    with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start) as mapped:
-        mapped.madvise(mmap.MADV_WILLNEED)  # start the whole chunk's read-ahead at once
-        view = memoryview(mapped)
-        try:
-            return hash_bytes(name, view)
-        finally:
-            view.release()
+_BUFFERS = threading.local()
+
+
+def _read_chunk(fd: int, start: int, length: int) -> memoryview:
+    """Read ``length`` bytes at ``start`` into this thread's reused buffer (no allocation per
+    chunk; memory stays at threads x chunk). ``pread`` releases the GIL, so reads and hashes of
+    different chunks overlap across threads."""
+    buf: bytearray | None = getattr(_BUFFERS, "buf", None)
+    if buf is None or len(buf) < length:
+        buf = _BUFFERS.buf = bytearray(length)
+    view = memoryview(buf)[:length]
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [view[got:]], start + got)
+        if n == 0:
+            break  # the file shrank while being read: the digest will not match
+        got += n
+    return view[:got]
+
+
+def _hash_chunk(fd: int, name: str, start: int, length: int) -> str:
+    view = _read_chunk(fd, start, length)
+    try:
+        return hash_bytes(name, view)
+    finally:
+        view.release()
 
 
 def hash_file(path: Path, spec: HashSpec = DEFAULT_HASHING) -> ChunkedDigest:
@@ -151,7 +164,7 @@ def hash_file(path: Path, spec: HashSpec = DEFAULT_HASHING) -> ChunkedDigest:
         ranges = [chunk_range(i, size, spec.chunk_bytes) for i in range(chunk_count(size, spec.chunk_bytes))]
         fd = fh.fileno()
         with ThreadPoolExecutor(_workers(spec.threads)) as pool:
-            chunks = tuple(pool.map(lambda r: _hash_mapped_chunk(fd, spec.name, *r), ranges))
+            chunks = tuple(pool.map(lambda r: _hash_chunk(fd, spec.name, *r), ranges))
     return ChunkedDigest(spec.name, spec.chunk_bytes, size, chunks)
 
 
@@ -167,7 +180,7 @@ def check_file(path: Path, expected: ChunkedDigest, threads: int = 2) -> None:
 
         def one(index: int) -> int | None:
             start, length = chunk_range(index, size, expected.chunk_bytes)
-            return None if _hash_mapped_chunk(fd, expected.hash, start, length) == expected.chunks[index] else index
+            return None if _hash_chunk(fd, expected.hash, start, length) == expected.chunks[index] else index
 
         with ThreadPoolExecutor(_workers(threads)) as pool:
             bad = [i for i in pool.map(one, range(n)) if i is not None]

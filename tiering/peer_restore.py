@@ -11,6 +11,7 @@ and are reported, so that the caller falls back to the reshardable tier.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -169,7 +170,10 @@ class PeerRecovery:
                 return None
             # Who verifies what: the owner reads a copy on its own node; otherwise the serving rank
             # of the node that holds it verifies it before sending.
+            # A copy to send is verified while it is read into the payload (one pass), a copy on
+            # the owner's own node by reading it once (the load then maps the verified pages).
             failures: list[tuple[int, tuple[str, str], str]] = []
+            outgoing: dict[int, StepPayload] = {}
             for owner, (node, kind) in plan.items():
                 verifier = owner if node == nodes[owner] else serving[node]
                 if verifier != self.rank:
@@ -177,7 +181,11 @@ class PeerRecovery:
                 self.on_phase("verify")
                 store = self._store((kind, owner))
                 try:
-                    store.verify(step)
+                    if verifier == owner:
+                        store.verify(step)
+                    else:
+                        header = {"run_id": self.run_id, "step": step, "owner": owner, "kind": "restore"}
+                        outgoing[owner] = StepPayload.from_step_dir(store.step_path(step), header, check=True)
                 except VerificationError as exc:
                     failures.append((owner, (node, kind), str(exc)))
                     store.quarantine(step, str(exc))
@@ -189,32 +197,35 @@ class PeerRecovery:
                 result.rejected.append(reason)
                 if self.rank == 0:
                     log.error("tier 1-2 copy rejected: %s", reason)
-        return self._execute(step, plan, nodes, serving, result, t0)
+        return self._execute(step, plan, outgoing, nodes, result, serving, t0)
 
     def _execute(
         self,
         step: int,
         plan: dict[int, tuple[str, str]],
+        outgoing: dict[int, StepPayload],
         nodes: list[str],
-        serving: dict[str, int],
         result: PeerPlanResult,
+        serving: dict[str, int],
         t0: float,
     ) -> PeerRestore | None:
-        outgoing: dict[int, StepPayload | None] = {}
-        for owner, (node, kind) in plan.items():
-            if node != nodes[owner] and serving[node] == self.rank:
-                header = {"run_id": self.run_id, "step": step, "owner": owner, "kind": "restore"}
-                outgoing[owner] = StepPayload.from_step_dir(self._store((kind, owner)).step_path(step), header)
+        """Send the verified payloads this rank serves, receive this rank's copy if it is on
+        another node (checked chunk by chunk as it arrives) and publish it as this rank's own."""
         node, kind = plan[self.rank]
         incoming = [serving[node]] if node != self.node else []
         if outgoing or incoming:
             self.on_phase("transfer")
-        received, errors = self.transport.exchange(outgoing, incoming)
+        mine = primary_store(self.node_root, self.rank, self.run_id, self.keep)
+        spill = {src: mine.layout.tmp_dir(step, self.attempt) for src in incoming}
+        for tmp in spill.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+        received, errors = self.transport.exchange(dict(outgoing), incoming, spill)
         error = None
         path: Path | None = None
         if incoming:
             src = incoming[0]
             if src in errors or src not in received:
+                shutil.rmtree(spill[src], ignore_errors=True)  # a partial copy is never published
                 error = (
                     f"rank {self.rank}: fetching step {step} from rank {src} failed: {errors.get(src, 'nothing sent')}"
                 )
@@ -231,9 +242,12 @@ class PeerRecovery:
                         step,
                         self.rank,
                         checked=payload.checked,
+                        durable=False,  # a restore copy: the peer's copy stays
+                        spilled=payload.spilled,
                     )
                     path = store.step_path(step)
                 except (VerificationError, PublishError, OSError) as exc:
+                    shutil.rmtree(spill[src], ignore_errors=True)
                     error = f"rank {self.rank}: copy of step {step} from rank {src} rejected: {exc}"
         else:
             path = self._store((kind, self.rank)).step_path(step)

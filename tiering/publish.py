@@ -133,20 +133,24 @@ class PosixStepPublisher:
         publish_dir(self.layout, tmp, manifest.step, raw)
 
 
-def publish_dir(layout: RunLayout, tmp: Path, step: int, manifest_raw: bytes) -> Path:
+def publish_dir(layout: RunLayout, tmp: Path, step: int, manifest_raw: bytes, durable: bool = True) -> Path:
     """Make a fully written temporary directory (files + ``manifest.json``) the published step.
 
     fsync everything, rename atomically (never over a published step), write ``COMMITTED`` bound
     to the manifest, then replace ``latest.json``. If the marker cannot be written the directory is
-    moved back to ``tmp``, so no half-published step stays visible.
+    moved back to ``tmp``, so no half-published step stays visible. ``durable=False`` (a copy
+    fetched to restore from, whose source still exists) leaves the data to the kernel's writeback:
+    a copy torn by a crash before it fails its digests at the next restore, which then fetches again.
     """
-    fsync_tree(tmp)
+    if durable:
+        fsync_tree(tmp)
     final = layout.step_dir(step)
     if final.exists():
         raise PublishError(f"{final}: step already published; refusing to overwrite")
     os.rename(tmp, final)
     try:
-        fsync_dir(final.parent)
+        if durable:
+            fsync_dir(final.parent)
         atomic_write_bytes(final / COMMITTED_NAME, committed_marker(step, manifest_raw))
     except OSError:
         os.rename(final, tmp)
@@ -182,7 +186,8 @@ def _check_received(manifest: Manifest, files: list[tuple[str, bytes | memoryvie
     for rel, data in files:
         expected = listed[rel].chunked
         if expected is None:
-            bad = None if hash_bytes("sha256", data) == listed[rel].sha256 else (rel, "bytes do not match the manifest's SHA-256")
+            same = hash_bytes("sha256", data) == listed[rel].sha256
+            bad = None if same else (rel, "bytes do not match the manifest's SHA-256")
         else:
             bad = StreamChecker(memoryview(data).cast("B"), [(rel, expected)]).result()
         if bad is not None:
@@ -203,6 +208,8 @@ def publish_received(
     expect_step: int,
     expect_owner: int | None = None,
     checked: StreamChecker | None = None,
+    durable: bool = True,
+    spilled: Path | None = None,
 ) -> Manifest:
     """Publish a step received from another rank, byte for byte under the owner's manifest.
 
@@ -210,7 +217,8 @@ def publish_received(
     against the run, step and owner the sender claims) before anything is published; a mismatch
     raises :class:`ReplicaRejected` naming the file and chunk, and nothing is written. ``checked``:
     the chunks were already checked as they arrived (by the transport, against this manifest), so
-    nothing is hashed a second time here.
+    nothing is hashed a second time here. ``durable``: see :func:`publish_dir`. ``spilled``: the
+    transport already wrote the files there as they arrived (this rank's temporary directory).
     """
     final = layout.step_dir(expect_step)
     where = final / MANIFEST_NAME
@@ -246,17 +254,17 @@ def publish_received(
             return manifest  # already here, identical: idempotent
         raise PublishError(f"{final}: a different step is already published here; refusing to overwrite")
     tmp = layout.tmp_dir(expect_step, attempt)
-    if tmp.exists():
+    if tmp.exists() and tmp != spilled:
         shutil.rmtree(tmp)
     try:
-        for rel, data in received.items():
+        for rel, data in received.items() if tmp != spilled else ():
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "xb") as fh:
                 fh.write(data)
         with open(tmp / MANIFEST_NAME, "xb") as fh:
             fh.write(manifest_raw)
-        publish_dir(layout, tmp, expect_step, manifest_raw)
+        publish_dir(layout, tmp, expect_step, manifest_raw, durable)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

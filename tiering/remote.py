@@ -278,9 +278,10 @@ class RemoteTier:
                     exc.reason,
                     "the step is skipped; an older verified step is used",
                 ) from exc
-            # The same publish as a local save: fsync, atomic rename, COMMITTED (rewritten with the
-            # bytes written above for verification), then latest.json.
-            publish_dir(layout, tmp, step, raw)
+            # The same publish as a local save (atomic rename, COMMITTED, latest.json), minus the
+            # fsync of the data: the object store keeps its copy; a copy torn by a crash fails its
+            # digests at the next restore and is fetched again.
+            publish_dir(layout, tmp, step, raw, durable=False)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

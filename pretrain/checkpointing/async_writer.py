@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -151,7 +151,7 @@ class BackgroundWrite:
                 prepare()
             if fault == "slow":
                 time.sleep(0.6)
-            self._digest = write_file_durably(self.path, lambda fh: torch.save(self._snapshot, fh), self.hashing)
+            self._digest = write_file_durably(self.path, lambda fh: save_state(self._snapshot, fh), self.hashing)
             if fault == "fail":
                 raise OSError("injected writer failure")
         except Exception as exc:  # reported by poll(); the step is not committed
@@ -240,6 +240,17 @@ def _copy_tensors(staged: Any, buffers: SnapshotBuffers | None) -> dict[str, Any
     return snapshot
 
 
+def save_state(payload: dict[str, Any], fh: IO[bytes]) -> None:
+    """``torch.save`` without its per-record CRC-32: the chunked digest computed while writing
+    covers every byte already, and the CRC cost ~10 % of a save's time (2.4 GB/s on one core)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(payload, fh)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
 def _any_cuda(v: Any) -> bool:
     if isinstance(v, torch.Tensor):
         return v.is_cuda
@@ -283,7 +294,7 @@ def _child_write(
             time.sleep(0.6)
         if prepare is not None:
             prepare()
-        report["digest"] = write_file_durably(path, lambda fh: torch.save(payload, fh), hashing).to_json()
+        report["digest"] = write_file_durably(path, lambda fh: save_state(payload, fh), hashing).to_json()
         if fault == "fail":
             raise OSError("injected writer failure")
     except BaseException as exc:  # noqa: BLE001 - the child must always reach os._exit

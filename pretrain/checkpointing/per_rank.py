@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
+from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, save_state
 from pretrain.checkpointing.state import (
     SaveResult,
     TrainingState,
@@ -163,7 +163,7 @@ class PerRankCheckpoints:
         try:
             tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
             payload = self._payload(state)
-            digest = write_file_durably(tmp / STATE_FILE, lambda fh: torch.save(payload, fh), self.hashing)
+            digest = write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing)
         except (PublishError, OSError) as exc:
             error = str(exc)
         except Exception as exc:

@@ -1,0 +1,299 @@
+"""Tier 1-2 checkpoint I/O against raw baselines of the same bytes, in the same layout, alternating.
+
+* publish: the tier-1 save path (``torch.save`` into the step's temporary directory with the chunked
+  digest computed while writing, fsync, manifest, rename, COMMITTED, latest.json) / a raw durable
+  write of the same serialized bytes (one file in a temporary directory, fsync, directory fsync,
+  rename): a throughput ratio;
+* restore: verify every chunk (all cores) + ``torch.load`` of the verified file (mapped) / a raw read
+  of the same bytes on as many threads, with the page cache evicted (``posix_fadvise(DONTNEED)``,
+  what a restarted node reads) and warm;
+* peak restore memory: RSS growth of a fresh process that restores the state into preallocated
+  tensors (the model exists before a restore) / the state's size;
+* peer restore: 2 gloo ranks on loopback; rank 1's disk is empty, rank 0 holds its replica: the
+  tier 1-2 recovery (verify while reading, send, check chunks on arrival, publish, load) / rank 0
+  reading the same bytes and sending them, rank 1 receiving them into memory.
+
+``python -m bench.io_numbers --sizes-mb 300 2000 --repeats 5`` prints JSON (``make bench`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.pairs import alternate
+from pretrain.checkpointing.per_rank import load_verified_state
+from tiering.collective import SingleProcess, TorchCollective
+from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, HashSpec
+from tiering.fsio import fsync_dir, write_file_durably
+from tiering.layout import RunLayout
+from tiering.peer_restore import PeerRecovery
+from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.replication import primary_store, replica_store
+from tiering.transport import Transport
+from tiering.verify import VERIFY_THREADS, verify_step
+
+STATE = "state.pt"
+TOPOLOGY = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+
+
+def make_state(mb: int) -> dict[str, Any]:
+    """A tier-1-like state: a few large tensors and some small ones."""
+    n = mb * 1024 * 1024 // 4
+    return {"model": {"w": torch.randn(n // 3), "b": torch.randn(1000)}, "optimizer": {"m": torch.randn(n - n // 3)}}
+
+
+def serialized(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_durable_write(root: Path, name: str, data: bytes) -> float:
+    """The limit of a durable publish: the same bytes, one file in a fresh directory, fsync, rename."""
+    t0 = time.perf_counter()
+    tmp = root / f"{name}.tmp"
+    tmp.mkdir(parents=True)
+    view = memoryview(data)
+    with open(tmp / STATE, "xb", buffering=0) as fh:
+        for start in range(0, len(view), 256 * 1024 * 1024):
+            fh.write(view[start : start + 256 * 1024 * 1024])
+        os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    os.rename(tmp, root / name)
+    fsync_dir(root)
+    return time.perf_counter() - t0
+
+
+def raw_read(path: Path, threads: int = VERIFY_THREADS, block: int = DEFAULT_CHUNK_BYTES) -> float:
+    """The limit of reading a file: ``threads`` readers of disjoint blocks into reused buffers."""
+    size = path.stat().st_size
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def read(worker: int) -> None:
+            buf = bytearray(block)
+            for start in range(worker * block, size, threads * block):
+                os.preadv(fd, [buf], start)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def tier_publish(
+    layout: RunLayout, step: int, state: dict[str, Any], spec: HashSpec, run: str = "bench", owner: int = 0
+) -> float:
+    t0 = time.perf_counter()
+    pub = PosixStepPublisher(layout, SingleProcess(), f"b{step}", spec)
+    tmp = pub.begin(step)
+    digest = write_file_durably(tmp / STATE, lambda fh: torch.save(state, fh), spec)
+    manifest = manifest_for(run, step, 2, {"tp": 1, "pp": 1, "dp": 2}, extra={"owner_rank": owner})
+    pub.commit(tmp, manifest, known={STATE: digest})
+    return time.perf_counter() - t0
+
+
+def tier_restore(step_dir: Path) -> float:
+    """What a tier-1 restore does before ``load_state_dict``: verify every chunk, load the verified file."""
+    t0 = time.perf_counter()
+    verify_step(step_dir)
+    load_verified_state(step_dir / STATE)
+    return time.perf_counter() - t0
+
+
+def measure_local(mb: int, repeats: int, work: Path, spec: HashSpec) -> dict[str, Any]:
+    state = make_state(mb)
+    data = serialized(state)
+    layout = RunLayout(work / "tier", "bench")
+    raw_root = work / "raw"
+    raw_root.mkdir(parents=True)
+    steps = iter(range(1, 10_000))
+
+    def publish(rep: int) -> float:
+        shutil.rmtree(layout.steps_dir, ignore_errors=True)
+        return tier_publish(layout, next(steps), state, spec)
+
+    def write_raw(rep: int) -> float:
+        shutil.rmtree(raw_root / "raw", ignore_errors=True)
+        return raw_durable_write(raw_root, "raw", data)
+
+    out: dict[str, Any] = {"size_mb": round(len(data) / 1e6), "hash": spec.name, "chunk_mb": spec.chunk_bytes >> 20}
+    out["publish"] = alternate(publish, write_raw, repeats).summary("throughput")
+    step_dir = next(p for p in layout.steps_dir.iterdir() if p.name.startswith("step-"))
+    raw_file = raw_root / "raw" / STATE
+
+    def restore_cold(rep: int) -> float:
+        for p in step_dir.iterdir():
+            evict(p)
+        return tier_restore(step_dir)
+
+    def read_cold(rep: int) -> float:
+        evict(raw_file)
+        return raw_read(raw_file)
+
+    out["restore_cold"] = alternate(restore_cold, read_cold, repeats).summary("time")
+    out["restore_warm"] = alternate(lambda r: tier_restore(step_dir), lambda r: raw_read(raw_file), repeats).summary(
+        "time"
+    )
+    out["restore_rss"] = restore_rss(step_dir, len(data))
+    return out
+
+
+_RSS_PROBE = """
+import json, resource, sys, torch
+from pathlib import Path
+from bench.io_numbers import STATE
+from pretrain.checkpointing.per_rank import load_verified_state
+from tiering.verify import verify_step
+step_dir = Path(sys.argv[1])
+shapes = {k: v for k, v in torch.load(step_dir / STATE, weights_only=True, mmap=True).items()}
+model = {g: {k: torch.empty_like(t) for k, t in d.items()} for g, d in shapes.items()}
+for d in model.values():
+    for t in d.values():
+        t.zero_()  # the model's memory exists before the restore
+del shapes
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+before = rss()
+verify_step(step_dir)
+loaded = load_verified_state(step_dir / STATE)
+for g, d in loaded.items():
+    for k, t in d.items():
+        model[g][k].copy_(t)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "peak": peak}))
+"""
+
+
+def restore_rss(step_dir: Path, nbytes: int) -> dict[str, Any]:
+    """Peak RSS growth of a fresh process restoring into a preallocated model, over the state size."""
+    for p in step_dir.iterdir():
+        evict(p)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, str(step_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[1],
+    )
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return {
+        "state_bytes": nbytes,
+        "growth_bytes": row["peak"] - row["before"],
+        "ratio": round((row["peak"] - row["before"]) / nbytes, 3),
+    }
+
+
+def _peer_worker(rank: int, root: str, mb: int, repeats: int, port: int, out: str) -> None:
+    """Rank 1's node is empty; node 0 holds rank 1's replica (and a small primary of rank 0, so
+    that what is timed is the peer path alone)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
+    coll = TorchCollective()
+    transport = Transport(group, 600)
+    node_root = Path(root) / f"node-{rank}"
+    replica = replica_store(Path(root) / "node-0", 1, "run", 3).step_path(10)
+    if rank == 0:
+        spec = HashSpec(LOCAL_HASH, DEFAULT_CHUNK_BYTES, 2)
+        tier_publish(replica_store(node_root, 1, "run", 3).layout, 10, make_state(mb), spec, "run", owner=1)
+        tier_publish(primary_store(node_root, 0, "run", 3).layout, 10, make_state(1), spec, "run", owner=0)
+    coll.barrier()
+    size = torch.tensor([os.path.getsize(replica / STATE) if rank == 0 else 0])
+    dist.broadcast(size, 0, group=group)
+
+    def restore(rep: int) -> float:
+        if rank == 0:
+            evict(replica / STATE)
+        shutil.rmtree(Path(root) / "node-1", ignore_errors=True)
+        coll.barrier()
+        t0 = time.perf_counter()
+        rec = PeerRecovery("run", rank, 2, f"node-{rank}", node_root, coll, transport, TOPOLOGY, 3, f"p{rep}")
+        got = rec.recover().restore
+        assert got is not None and got.step == 10, got
+        load_verified_state(got.path / STATE)
+        seconds = time.perf_counter() - t0
+        coll.barrier()
+        return seconds
+
+    def raw(rep: int) -> float:
+        if rank == 0:
+            evict(replica / STATE)
+        coll.barrier()
+        t0 = time.perf_counter()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        if rank == 0:
+            with open(replica / STATE, "rb", buffering=0) as fh:
+                fh.readinto(memoryview(data.numpy()))
+            dist.send(data, dst=1, group=group)
+        else:
+            dist.recv(data, src=0, group=group)
+        seconds = time.perf_counter() - t0
+        coll.barrier()
+        return seconds
+
+    pair = alternate(restore, raw, repeats)
+    rows = coll.all_gather(pair.summary("time"))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows[1]))  # what the restoring rank (1) saw
+    dist.destroy_process_group()
+
+
+def measure_peer(mb: int, repeats: int, work: Path) -> dict[str, Any]:
+    out = work / "peer.json"
+    port = 29500 + os.getpid() % 1000
+    mp.spawn(_peer_worker, args=(str(work), mb, repeats, port, str(out)), nprocs=2, join=True)
+    return {"size_mb": mb, "peer_restore": json.loads(out.read_text())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[300, 2000])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk-mb", type=int, nargs="+", default=[DEFAULT_CHUNK_BYTES >> 20])
+    parser.add_argument("--hash", default=LOCAL_HASH)
+    parser.add_argument("--no-peer", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as td:
+        for mb in args.sizes_mb:
+            for chunk_mb in args.chunk_mb:
+                work = Path(td) / f"{mb}-{chunk_mb}"
+                spec = HashSpec(args.hash, chunk_mb << 20, 2)
+                rows.append(measure_local(mb, args.repeats, work, spec))
+                shutil.rmtree(work)
+            if not args.no_peer:
+                rows[-1].update(measure_peer(mb, args.repeats, Path(td) / f"peer-{mb}"))
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
