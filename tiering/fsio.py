@@ -33,16 +33,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every file and directory below ``root`` (and ``root`` itself), bottom-up."""
+def fsync_tree(root: Path, skip: frozenset[str] = frozenset()) -> None:
+    """fsync every file and directory below ``root`` (and ``root`` itself), bottom-up; ``skip``:
+    files (relative paths) already fsynced by their writer."""
     for dirpath, _dirs, files in os.walk(root, topdown=False):
         for name in files:
-            fsync_file(Path(dirpath) / name)
+            path = Path(dirpath) / name
+            if path.relative_to(root).as_posix() not in skip:
+                fsync_file(path)
         fsync_dir(Path(dirpath))
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix.
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix
+    (``durable``: and the new content survives a crash once this returns).
 
     The temporary name is unique per call so concurrent writers never share a temp file.
     """
@@ -52,12 +56,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with open(tmp, "xb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def sha256_file(path: Path) -> tuple[int, str]:

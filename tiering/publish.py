@@ -103,7 +103,7 @@ class PosixStepPublisher:
             if error is None and self.coll.rank == 0:
                 manifest.files = [entry for _, part in gathered for entry in part]
                 try:
-                    self._publish(tmp, manifest)
+                    self._publish(tmp, manifest, frozenset(known or ()))
                 except (OSError, PublishError) as exc:
                     error = f"{getattr(exc, 'filename', None) or tmp}: {getattr(exc, 'strerror', None) or exc}"
             error = self.coll.broadcast(error)
@@ -126,35 +126,39 @@ class PosixStepPublisher:
             return FileEntry.of(rel, digest)
         return FileEntry.of(rel, hash_file(root / rel, self.hashing))
 
-    def _publish(self, tmp: Path, manifest: Manifest) -> None:
+    def _publish(self, tmp: Path, manifest: Manifest, written: frozenset[str]) -> None:
         raw = manifest.to_json()
         with open(tmp / MANIFEST_NAME, "xb") as fh:
             fh.write(raw)
-        publish_dir(self.layout, tmp, manifest.step, raw)
+        publish_dir(self.layout, tmp, manifest.step, raw, already_durable=written)
 
 
-def publish_dir(layout: RunLayout, tmp: Path, step: int, manifest_raw: bytes, durable: bool = True) -> Path:
+def publish_dir(
+    layout: RunLayout,
+    tmp: Path,
+    step: int,
+    manifest_raw: bytes,
+    durable: bool = True,
+    already_durable: frozenset[str] = frozenset(),
+) -> Path:
     """Make a fully written temporary directory (files + ``manifest.json``) the published step.
 
-    fsync everything, rename atomically (never over a published step), write ``COMMITTED`` bound
-    to the manifest, then replace ``latest.json``. If the marker cannot be written the directory is
-    moved back to ``tmp``, so no half-published step stays visible. ``durable=False`` (a copy
+    Write ``COMMITTED`` bound to the manifest into it, fsync everything, and rename it atomically
+    (never over a published step): the rename is the commit point, and a step is visible only with
+    its marker. Then replace ``latest.json`` (a hint, not fsynced: restores scan the steps).
+    ``already_durable``: files (relative paths) their writer fsynced. ``durable=False`` (a copy
     fetched to restore from, whose source still exists) leaves the data to the kernel's writeback:
     a copy torn by a crash before it fails its digests at the next restore, which then fetches again.
     """
-    if durable:
-        fsync_tree(tmp)
     final = layout.step_dir(step)
     if final.exists():
         raise PublishError(f"{final}: step already published; refusing to overwrite")
+    (tmp / COMMITTED_NAME).write_bytes(committed_marker(step, manifest_raw))
+    if durable:
+        fsync_tree(tmp, skip=already_durable)
     os.rename(tmp, final)
-    try:
-        if durable:
-            fsync_dir(final.parent)
-        atomic_write_bytes(final / COMMITTED_NAME, committed_marker(step, manifest_raw))
-    except OSError:
-        os.rename(final, tmp)
-        raise
+    if durable:
+        fsync_dir(final.parent)
     try:
         write_latest(layout, step)
     except OSError as exc:  # the step is committed; latest.json is only a hint
@@ -173,7 +177,7 @@ def write_latest(layout: RunLayout, step: int) -> None:
         "path": f"steps/{step_name(step)}",
         "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    atomic_write_bytes(layout.latest_path, (json.dumps(body) + "\n").encode())
+    atomic_write_bytes(layout.latest_path, (json.dumps(body) + "\n").encode(), durable=False)
 
 
 def _list_files(root: Path) -> list[str]:
