@@ -24,6 +24,7 @@ import copy
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import traceback
@@ -93,7 +94,7 @@ class BackgroundWrite:
         self.snapshot_wait_seconds = 0.0  # what wait_for_snapshot() cost the trainer
         self._pid: int | None = None
         self._report_fd: int | None = None
-        self._thread: threading.Thread | None = None
+        self._written: threading.Event | None = None  # thread mode: set when the write ended
         self._thread_error: str | None = None
         self._digest: ChunkedDigest | None = None
         self._snapshot_done = threading.Event()
@@ -110,10 +111,7 @@ class BackgroundWrite:
             self._snapshot_done.set()
         else:
             staged = _stage_on_training_thread(payload)
-            self._thread = threading.Thread(
-                target=self._write_thread, args=(staged, buffers, fault, prepare), name="ckpt-writer", daemon=True
-            )
-            self._thread.start()
+            self._written = _WRITER.submit(lambda: self._write_thread(staged, buffers, fault, prepare))
 
     @property
     def pid(self) -> int | None:
@@ -176,9 +174,8 @@ class BackgroundWrite:
             else:
                 self._digest = report.get("digest")
         else:
-            assert self._thread is not None
-            self._thread.join(None if block else 0)
-            if self._thread.is_alive():
+            assert self._written is not None
+            if not self._written.wait(None if block else 0):
                 return None
             error = self._thread_error
         self._outcome = WriteOutcome(error is None, error, time.perf_counter() - self.started, self._digest)
@@ -195,6 +192,37 @@ class BackgroundWrite:
         if self._report_fd is not None:
             os.close(self._report_fd)
             self._report_fd = None
+
+
+class _WriterThread:
+    """One long-lived daemon thread that runs thread-mode writes in order: starting a thread per
+    save cost the training thread 1-4 ms (``Thread.start`` waits for the new thread to run, which
+    waits for the GIL), a fifth of the whole blocked time of a 300 MB save."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], object], threading.Event]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, work: Callable[[], object]) -> threading.Event:
+        done = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
+                self._thread.start()  # once per process
+        self._queue.put((work, done))
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            work, done = self._queue.get()
+            try:
+                work()
+            finally:
+                done.set()
+
+
+_WRITER = _WriterThread()
 
 
 def _stage_on_training_thread(payload: Any) -> Any:
