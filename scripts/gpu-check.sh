@@ -6,13 +6,15 @@
 # On the GPU machine (one GPU, Python 3.12 with a CUDA torch, no internet): installs what it lacks
 # from DIR (default wheels/, made here by scripts/fetch-gpu-wheels.sh: the newest megatron-core
 # and NVRx, ...) into TARGET (default .gpu-check/site, put first on PYTHONPATH), then runs
-# tests/gpu/ (each check in its own process under a time limit, 470 s in all: the check must finish in
+# tests/gpu/ (each check in its own process under a time limit, 520 s in all: the check must finish in
 # under 8 minutes; GPU_CHECK_LIMIT_S, default 540 s, bounds the whole run). Every test skips
 # cleanly without CUDA.
 # --cpu: the dry run (part of make test): the same entry points at CPU size, with the project's
 # own environment (.venv when present) and nothing installed.
 # The report (default gpu-check-report.json) names the versions that ran, each test's outcome and
-# its figures; the exit status is pytest's.
+# its figures; each check's log and result are copied next to it (the work directory, default
+# .gpu-check/work, keeps the checkpoints); the exit status is pytest's. With the device tool:
+#   scripts/gpu-check.sh --report $OUT/gpu-check-report.json     (carry: wheels)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -20,7 +22,7 @@ MODE=cuda
 WHEELS=wheels
 TARGET=.gpu-check/site
 REPORT=gpu-check-report.json
-WORKDIR=""
+WORKDIR=.gpu-check/work
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
@@ -51,9 +53,15 @@ if [ "$MODE" = cuda ]; then
 else
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export GPU_CHECK_MODE=$MODE GPU_CHECK_REPORT=$REPORT PYTHONWARNINGS=ignore
-[ -n "$WORKDIR" ] && export GPU_CHECK_WORKDIR=$WORKDIR
+mkdir -p "$WORKDIR" "$(dirname "$REPORT")"
+export GPU_CHECK_MODE=$MODE GPU_CHECK_REPORT=$REPORT GPU_CHECK_WORKDIR=$WORKDIR PYTHONWARNINGS=ignore
 rc=0
 timeout --kill-after=10 "${GPU_CHECK_LIMIT_S:-540}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/gpu || rc=$?
+# Each check's log and result next to the report (the checkpoints stay in the work directory).
+for f in "$WORKDIR"/*.log "$WORKDIR"/*.json; do
+  if [ -f "$f" ] && [ "$(dirname "$(realpath "$f")")" != "$(dirname "$(realpath "$REPORT")")" ]; then
+    cp "$f" "$(dirname "$REPORT")/"
+  fi
+done
 echo "gpu-check ($MODE): exit $rc after $(( $(date +%s) - started )) s; report: $REPORT"
 exit "$rc"

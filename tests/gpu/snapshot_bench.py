@@ -73,9 +73,9 @@ class State:
             torch.cuda.synchronize()
 
     def forward_backward(self) -> None:
-        x = self.a
+        x, scale = self.a, self.a.shape[0] ** -0.5  # keeps the values' scale from one GEMM to the next
         for _ in range(self.gemms):
-            x = torch.mm(x, self.a).div_(self.a.shape[0])
+            x = torch.mm(x, self.a).mul_(scale)
 
     def optimizer_step(self) -> None:
         for t in self.tensors.values():

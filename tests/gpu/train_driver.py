@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -120,7 +121,8 @@ def saves(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def drive(mode: str, workdir: Path) -> dict[str, Any]:
-    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # an earlier check's checkpoints would be restored
+    workdir.mkdir(parents=True)
     torch.use_deterministic_algorithms(True, warn_only=True)
     build_indexed_dataset(synthetic_documents(2.0 if mode == "cuda" else 0.2, seed=0), workdir / "data" / "corpus")
     base = config(mode, workdir, "baseline", [])
