@@ -12,7 +12,9 @@
 # * What NVRx 0.7's ft_launcher and rank-monitor client import at module level (read from the
 #   0.7.0 sources): defusedxml, protobuf, grpcio, httpx (+ httpcore, h11, anyio, sniffio, idna,
 #   certifi), typing-extensions; nvidia-ml-py (pynvml, imported lazily); packaging (megatron-core).
-# * What the check itself needs beyond torch: tqdm (prepare-data), pytest (+ pluggy, iniconfig,
+# * What the project imports that the GPU machine lacks: blake3 and xxhash (tiering's chunked
+#   digests), tqdm (prepare-data).
+# * What the check itself needs beyond torch: pytest (+ pluggy, iniconfig,
 #   pygments) and pytest-timeout.
 # Transformer Engine is not fetched: its CUDA wheels are far over 64 MiB (the check then runs
 # Megatron's local spec on CUDA and says so in its report).
@@ -33,7 +35,7 @@ download() {
 download megatron-core nvidia-resiliency-ext
 download "nvidia-resiliency-ext==0.4.1"
 download defusedxml protobuf grpcio httpx httpcore h11 anyio sniffio idna certifi typing-extensions \
-  nvidia-ml-py "packaging>=24.2" tqdm pytest pluggy iniconfig pygments pytest-timeout
+  nvidia-ml-py "packaging>=24.2" blake3 xxhash tqdm pytest pluggy iniconfig pygments pytest-timeout
 total=0
 printf '%-80s %8s\n' WHEEL KiB
 for whl in "$DEST"/*.whl; do

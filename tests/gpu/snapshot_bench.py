@@ -6,12 +6,12 @@ The state is laid out as the DistributedOptimizer keeps it on one GPU: bf16 weig
 weights and two fp32 Adam moments (14 bytes a parameter: 11.2 GB at 0.8B parameters on CUDA,
 ~70 MB with ``--mode cpu``). The save is the project's own (:class:`BackgroundWrite` in ``thread``
 mode with reused :class:`SnapshotBuffers`: pinned host buffers filled on a side CUDA stream, then
-``torch.save`` + SHA-256 + fsync by the writer thread). A training step is simulated by bf16 GEMMs
+serialisation + chunked digest + fsync by the writer thread). A training step is simulated by bf16 GEMMs
 (the forward/backward, which only read the state) followed by an in-place update of every state
 tensor (the optimizer step, before which the trainer waits for the snapshot). Measured in one run:
 
 * blocked time of a background save (start + the wait before the in-place update) against a
-  synchronous save of the same state (copy to host, ``torch.save``, fsync);
+  synchronous save of the same state (copy to host, the same serialisation and digest, fsync);
 * snapshot bandwidth (a save's copy into the reused pinned buffers, waited for at once) against a
   raw ``copy_`` of the same tensors into pinned memory on a side stream;
 * steps/s over the same number of steps with one background save started at the second step
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
+from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, save_state
 from tiering.fsio import write_file_durably
 
 SIZES = {  # parameters, GEMM side, GEMMs per step, steps per timing window
@@ -151,11 +151,12 @@ def train_steps(state: State, save_path: Path | None, buffers: SnapshotBuffers) 
 
 
 def sync_save(state: State, path: Path) -> float:
-    """The synchronous baseline: copy to host, ``torch.save`` with SHA-256, fsync; all blocking."""
+    """The synchronous baseline: copy to host, then the writer's own serialisation with its digest
+    and fsync (what the background writer does later), all blocking."""
     state.sync()
     t0 = time.perf_counter()
     host = {k: t.to("cpu", copy=True) for k, t in state.tensors.items()}
-    write_file_durably(path, lambda fh: torch.save(host, fh))
+    write_file_durably(path, lambda fh: save_state(host, fh))
     seconds = time.perf_counter() - t0
     path.unlink(missing_ok=True)
     return seconds
