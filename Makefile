@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 # install their own torch first; the project itself only requires torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv sysdeps demo test test-fast lint format bench clean
+.PHONY: venv sysdeps demo test test-fast lint format bench clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,5 +45,16 @@ format: venv
 bench: venv sysdeps
 	scripts/bench.sh
 
+# The prepared single-GPU check (tests/gpu/, one JSON report): on the GPU machine, with wheels/
+# carried from `make gpu-wheels`; `make gpu-check GPU_CHECK_ARGS=--cpu` is the CPU dry run that
+# make test also runs (tests/test_gpu_check_dry_run.py). See docs/gpu-check.md.
+gpu-check:
+	scripts/gpu-check.sh $(GPU_CHECK_ARGS)
+
+# cp312 manylinux wheels of the newest megatron-core and NVRx (+ what the GPU machine lacks) into
+# wheels/ (git-ignored), sizes printed, at most 64 MiB.
+gpu-wheels: venv
+	PYTHON=$(BIN)/python scripts/fetch-gpu-wheels.sh
+
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs .pytest_cache .ruff_cache .gpu-check gpu-check-report.json

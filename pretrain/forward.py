@@ -10,10 +10,16 @@ import torch
 import torch.distributed as dist
 
 
+def compute_device() -> torch.device:
+    """Where the model and its inputs live: this rank's GPU on CUDA hosts, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def forward_step(
     data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
-    batch = next(data_iterator)
+    device = compute_device()
+    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(masked_mean_loss, batch["loss_mask"])
 
@@ -29,11 +35,11 @@ def masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[tor
 def reduce_losses(losses: list[dict[str, torch.Tensor]], leave: bool = False) -> tuple[float, bool]:
     """Mean micro-batch loss over the world (only last-stage ranks contribute), and whether any
     rank was asked to leave: one all-reduce, so every rank agrees on the step to stop at."""
-    total = torch.zeros(3, dtype=torch.float64)
-    for item in losses or []:
-        total[0] += float(item["lm loss"])
-        total[1] += 1
-    total[2] = 1.0 if leave else 0.0
+    values = [float(item["lm loss"]) for item in losses or []]
+    # On the collective's device: NCCL reduces CUDA tensors only, gloo CPU tensors.
+    device = compute_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    total = torch.tensor([sum(values), len(values), 1.0 if leave else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(total)
+    total = total.cpu()
     loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
     return loss, bool(total[2] > 0)

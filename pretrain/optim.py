@@ -163,13 +163,24 @@ class MegatronDistributedOptimizer:
     def load_sharded_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state)
 
+    def _parts(self) -> list[Any]:
+        """The DistributedOptimizers inside: get_megatron_optimizer returns a ChainedOptimizer
+        (one part per parameter kind, one here), which has no parameter-state accessors itself."""
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
     def local_state_dict(self) -> dict:
         # This rank's shard of the fp32 main params and Adam moments, as it lives here.
-        return {"optimizer": self.opt.state_dict(), "param_state": self.opt.get_parameter_state_dp_reshardable()}
+        param_state = [part.get_parameter_state_dp_reshardable() for part in self._parts()]
+        return {"optimizer": self.opt.state_dict(), "param_state": param_state}
 
     def load_local_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
-        self.opt.load_parameter_state_from_dp_reshardable(state["param_state"])
+        parts = self._parts()
+        if len(parts) != len(state["param_state"]):
+            saved = len(state["param_state"])
+            raise RuntimeError(f"tier-1 optimizer state has {saved} parts, this optimizer {len(parts)}")
+        for part, param_state in zip(parts, state["param_state"]):
+            part.load_parameter_state_from_dp_reshardable(param_state)
 
 
 def uses_distributed_optimizer(cfg: Config) -> bool:

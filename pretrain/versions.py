@@ -1,4 +1,10 @@
-"""Code and framework versions recorded in every checkpoint manifest."""
+"""Code and framework versions recorded in every checkpoint manifest, with the container image.
+
+``image_digest`` is the ``IMAGE_DIGEST`` variable the deployments set (Kubernetes through the
+``pretrain-env`` ConfigMap, Slurm in ``slurm/pretrain.sbatch``) to the digest of the image they run
+(``sha256:...``); outside a container, or where it is not set, it is ``unknown``. ``tiering ls``
+shows it per step.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+
+import torch
 
 
 def _version(dist: str) -> str:
@@ -35,12 +43,18 @@ def code_version() -> dict[str, str]:
     return {"package": "resilient-pretrain", "version": _version("resilient-pretrain"), "git_commit": commit}
 
 
+def image_digest() -> str:
+    return os.environ.get("IMAGE_DIGEST", "").strip() or "unknown"
+
+
 @functools.cache
 def framework_versions() -> dict[str, str]:
     return {
         "python": platform.python_version(),
         "torch": _version("torch"),
+        "cuda": torch.version.cuda or "none",
         "megatron-core": _version("megatron-core"),
         "nvidia-resiliency-ext": _version("nvidia-resiliency-ext"),
         "transformer-engine": _version("transformer-engine"),
+        "image_digest": image_digest(),
     }

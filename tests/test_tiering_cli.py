@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
 
-from tests.helpers import PYTHON
+from tests.helpers import PYTHON, REPO
 from tests.test_publish import _publish
+from tiering.collective import SingleProcess
+from tiering.layout import RunLayout
+from tiering.publish import PosixStepPublisher, manifest_for
 
 
 def _tiering(*args: str) -> subprocess.CompletedProcess[str]:
@@ -38,3 +43,33 @@ def test_ls_shows_state_size_age_and_verification(tmp_path: Path) -> None:
     assert root.returncode == 0 and '"step": 2' in root.stdout
     missing = _tiering("ls", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no run directory" in missing.stderr
+
+
+def _framework(image_digest: str | None) -> dict[str, str]:
+    """framework_versions() as the rank program records it, in a process with or without IMAGE_DIGEST."""
+    env = {k: v for k, v in os.environ.items() if k != "IMAGE_DIGEST"}
+    if image_digest is not None:
+        env["IMAGE_DIGEST"] = image_digest
+    code = "import json; from pretrain.versions import framework_versions; print(json.dumps(framework_versions()))"
+    out = subprocess.run([PYTHON, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_ls_shows_the_image_each_step_was_written_from(tmp_path: Path) -> None:
+    digest = "sha256:" + "0123456789abcdef" * 4
+    in_image, outside = _framework(digest), _framework(None)
+    assert in_image["image_digest"] == digest and outside["image_digest"] == "unknown"
+    assert {"torch", "cuda", "megatron-core", "nvidia-resiliency-ext", "transformer-engine"} <= set(in_image)
+    pub = PosixStepPublisher(RunLayout(tmp_path, "run"), SingleProcess(), "a1")
+    for step, framework in ((1, in_image), (2, outside)):
+        tmp = pub.begin(step)
+        (tmp / "trainer.pt").write_bytes(b"state")
+        pub.commit(tmp, manifest_for("run", step, 1, {"tp": 1, "pp": 1, "dp": 1}, framework=framework))
+    out = _tiering("ls", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    assert "IMAGE" in out.stdout
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()}
+    assert rows["1"][5] == "sha256:0123456789ab" and rows["2"][5] == "unknown"
+    listed = json.loads(_tiering("ls", str(tmp_path / "run"), "--json").stdout)[0]["steps"]
+    assert {s["step"]: s["image"] for s in listed} == {1: digest, 2: "unknown"}

@@ -1,7 +1,7 @@
 """``tiering`` command line: inspect, verify, promote, restore and collect checkpoint tiers.
 
 * ``tiering ls DIR``: steps of a run directory (``<tier root>/<run id>``) or of every run under a
-  tier root: state, size, age and whether each step verifies.
+  tier root: state, size, age, the container image it was written from and whether it verifies.
 * ``tiering verify STEP_DIR``: exit 0 if the step verifies, 1 (with the reason) if not.
 * ``tiering upload URI --run-id ID --staging-dir DIR``: promote committed staging steps to the
   object store (``--once`` or ``--watch``).
@@ -50,6 +50,15 @@ def _human_age(seconds: float) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.1f}h"
     return f"{seconds / 86400:.1f}d"
+
+
+def _short_image(image: str) -> str:
+    """``sha256:<64 hex>`` (or ``repo@sha256:...``) as ``sha256:<12 hex>``; ``-`` when not recorded."""
+    if not image:
+        return "-"
+    digest = image.rsplit("@", 1)[-1]
+    algo, _, hexpart = digest.partition(":")
+    return f"{algo}:{hexpart[:12]}" if hexpart else digest[:19]
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -141,6 +150,7 @@ def _ls(args: argparse.Namespace) -> int:
                                 "age_s": round(r.age_s, 1),
                                 "verified": r.verified,
                                 "reason": r.reason,
+                                "image": r.image,
                             }
                             for r in rows
                         ],
@@ -155,11 +165,12 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     for run, hint, rows, pending, quarantined in report:
         print(f"run {run}  (latest.json hint: {hint if hint is not None else 'none'})")
-        print(f"  {'STEP':>10}  {'STATE':<11}  {'SIZE':>10}  {'AGE':>6}  VERIFIED")
+        print(f"  {'STEP':>10}  {'STATE':<11}  {'SIZE':>10}  {'AGE':>6}  {'IMAGE':<19}  VERIFIED")
         for r in rows:
             state = "committed" if r.committed else "uncommitted"
             verified = "-" if r.verified is None else ("yes" if r.verified else f"NO: {r.reason}")
-            print(f"  {r.step:>10}  {state:<11}  {_human_bytes(r.bytes):>10}  {_human_age(r.age_s):>6}  {verified}")
+            size, age = _human_bytes(r.bytes), _human_age(r.age_s)
+            print(f"  {r.step:>10}  {state:<11}  {size:>10}  {age:>6}  {_short_image(r.image):<19}  {verified}")
         for name in pending:
             print(f"  {name}  in progress (or left by a dead attempt)")
         for name in quarantined:

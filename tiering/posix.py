@@ -18,7 +18,7 @@ from pathlib import Path
 from tiering.errors import VerificationError
 from tiering.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
-from tiering.manifest import COMMITTED_NAME, Manifest
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.retention import KeepNewest, RetentionPolicy
 from tiering.verify import read_manifest, verify_step
 
@@ -34,6 +34,7 @@ class StepStatus:
     age_s: float
     verified: bool | None
     reason: str = ""
+    image: str = ""  # the container image the step was written from (manifest framework.image_digest)
 
 
 class PosixTier:
@@ -175,5 +176,16 @@ class PosixTier:
                     verified = True
                 except VerificationError as exc:
                     verified, reason = False, str(exc)
-            out.append(StepStatus(step, path, committed, dir_size(path), now - path.stat().st_mtime, verified, reason))
+            age = now - path.stat().st_mtime
+            out.append(StepStatus(step, path, committed, dir_size(path), age, verified, reason, _image_of(path)))
         return out
+
+
+def _image_of(step_dir: Path) -> str:
+    """The image digest a step's manifest records ("unknown" outside a container, "" if unreadable)."""
+    try:
+        body = json.loads((step_dir / MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError):
+        return ""
+    framework = body.get("framework") if isinstance(body, dict) else None
+    return str(framework.get("image_digest", "")) if isinstance(framework, dict) else ""

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -38,6 +37,7 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
+from pretrain.compat import async_save_kwargs, reset_write_results_queue, warm_write_results_queue
 from pretrain.config import Config
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.phases import PhaseRecord
@@ -234,7 +234,10 @@ class ReshardableCheckpoints:
         model_sd = state.model.sharded_state_dict()
         optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
         request = dist_checkpointing.save(
-            {"model": model_sd, "optimizer": optim_sd}, str(tmp / "model"), async_sharded_save=background
+            {"model": model_sd, "optimizer": optim_sd},
+            str(tmp / "model"),
+            async_sharded_save=background,
+            **(async_save_kwargs() if background else {}),
         )
         cursor = state.sampler.cursor(state.consumed_samples)
         rank_file = tmp / "rank-state" / f"rank-{self.coll.rank:05d}.pt"
@@ -361,8 +364,8 @@ def _warm_up_writer(abandoned: threading.Thread | None, stale: bool) -> None:
     if abandoned is not None:
         abandoned.join()  # it would overwrite the global below
     if stale:
-        filesystem_async._results_queue = None
-    filesystem_async._get_write_results_queue()
+        reset_write_results_queue()
+    warm_write_results_queue()
 
 
 def reset_writer() -> None:

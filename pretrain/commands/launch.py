@@ -196,6 +196,10 @@ def ft_launcher_argv(
     extra_sets: list[str],
     workers_stop_timeout: int = 15,
 ) -> list[str]:
+    # Every flag below exists in NVRx 0.4.1 (checked by running it) and 0.7.0 (read in its
+    # launcher and cli_args sources; scripts/gpu-check.sh runs check_flags against it): 0.7
+    # accepts only --rdzv-backend=c10d, which it serves with its barrier rendezvous
+    # (--ft-rdzv-impl=barrier, the default and only choice), so nothing changes here.
     run_id = plan.run_id or "job"
     cmd = [
         launcher,
@@ -239,7 +243,7 @@ def check_flags(launcher: str, argv: list[str]) -> None:
         if flag.startswith("--") and not re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", help_text, re.M):
             raise LaunchError(
                 f"ft_launcher does not accept {flag} (installed: {launcher}); fix: upgrade "
-                "nvidia-resiliency-ext or drop the flag from pretrain/entrypoint.py"
+                "nvidia-resiliency-ext or drop the flag from pretrain/commands/launch.py"
             )
 
 

@@ -1,0 +1,75 @@
+"""Megatron Core API differences between the versions the project runs on, in one place.
+
+Checked against the sources of megatron-core 0.16.1 (the CPU machines and CI) and 0.19.2 (the
+newest release, the GPU containers). Everything else the project calls kept its signature
+between them (``scripts/gpu-check.sh`` runs the GPU checks on the newest release):
+
+* ``dist_checkpointing.save(..., async_sharded_save=True)``: 0.19 added ``async_strategy`` with
+  the default ``"nvrx"`` (NVRx's own async queue and request types); the project schedules the
+  request on Megatron's ``AsyncCallsQueue`` (a forked writer per save, copy-on-write snapshot),
+  which is ``async_strategy="mcore"`` there and the only behaviour 0.16.1 has.
+  :func:`async_save_kwargs` returns what to pass.
+* The checkpoint writer's multiprocessing Manager, warmed up at start-up: 0.16.1 names its getter
+  ``filesystem_async._get_write_results_queue``, 0.19 ``get_write_results_queue``.
+  :func:`warm_write_results_queue` calls whichever exists.
+* The core-attention call: 0.19 forwards extra keyword arguments to a custom core attention
+  (``core_attention_extra_kwargs``); :class:`pretrain.model.SDPACoreAttention` accepts and ignores
+  them.
+
+A getter missing from both is a one-line error naming the installed version and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import inspect
+from typing import Any
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+
+@functools.cache
+def megatron_core_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def accepts_keyword(func: Any, name: str) -> bool:
+    """Whether ``func`` takes a keyword argument ``name`` (a named parameter, not ``**kwargs``)."""
+    try:
+        return name in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@functools.cache
+def async_save_kwargs() -> dict[str, str]:
+    """Keyword arguments for ``dist_checkpointing.save(..., async_sharded_save=True)`` so that the
+    request it returns runs on Megatron's own ``AsyncCallsQueue`` on every supported version."""
+    return {"async_strategy": "mcore"} if accepts_keyword(dist_checkpointing.save, "async_strategy") else {}
+
+
+def write_results_queue_getter(module: Any = filesystem_async) -> Any:
+    """The function that creates (once) the checkpoint writer's results queue and its Manager."""
+    for name in ("get_write_results_queue", "_get_write_results_queue"):
+        getter = getattr(module, name, None)
+        if callable(getter):
+            return getter
+    raise RuntimeError(
+        f"megatron-core {megatron_core_version()}: {module.__name__} has neither get_write_results_queue nor "
+        "_get_write_results_queue; fix: install a megatron-core between 0.16.1 and 0.19.x or extend pretrain/compat.py"
+    )
+
+
+def warm_write_results_queue() -> None:
+    """Start the writer's multiprocessing Manager now (its first save would otherwise pay for it)."""
+    write_results_queue_getter()()
+
+
+def reset_write_results_queue() -> None:
+    """Forget the writer's Manager (after an in-process restart its process is gone)."""
+    filesystem_async._results_queue = None

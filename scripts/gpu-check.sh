@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The prepared single-GPU check: install the carried wheels, run tests/gpu/, write one JSON report.
+#
+#   scripts/gpu-check.sh [--cpu] [--wheels DIR] [--target DIR] [--report FILE] [--workdir DIR]
+#
+# On the GPU machine (one GPU, Python 3.12 with a CUDA torch, no internet): installs what it lacks
+# from DIR (default wheels/, made here by scripts/fetch-gpu-wheels.sh: the newest megatron-core
+# and NVRx, ...) into TARGET (default .gpu-check/site, put first on PYTHONPATH), then runs
+# tests/gpu/ (each check in its own process under a time limit, 520 s in all: the check must finish in
+# under 8 minutes; GPU_CHECK_LIMIT_S, default 540 s, bounds the whole run). Every test skips
+# cleanly without CUDA.
+# --cpu: the dry run (part of make test): the same entry points at CPU size, with the project's
+# own environment (.venv when present) and nothing installed.
+# The report (default gpu-check-report.json) names the versions that ran, each test's outcome and
+# its figures; each check's log and result are copied next to it (the work directory, default
+# .gpu-check/work, keeps the checkpoints); the exit status is pytest's. With the device tool:
+#   scripts/gpu-check.sh --report $OUT/gpu-check-report.json     (carry: wheels)
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+MODE=cuda
+WHEELS=wheels
+TARGET=.gpu-check/site
+REPORT=gpu-check-report.json
+WORKDIR=.gpu-check/work
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu) MODE=cpu ;;
+    --wheels) WHEELS=$2; shift ;;
+    --target) TARGET=$2; shift ;;
+    --report) REPORT=$2; shift ;;
+    --workdir) WORKDIR=$2; shift ;;
+    *) echo "gpu-check: unknown argument $1; fix: [--cpu] [--wheels DIR] [--target DIR] [--report FILE] [--workdir DIR]" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ "$MODE" = cpu ] && [ -x .venv/bin/python ]; then
+  PYTHON=${PYTHON:-.venv/bin/python}
+else
+  PYTHON=${PYTHON:-python3}
+fi
+started=$(date +%s)
+if [ "$MODE" = cuda ]; then
+  if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "gpu-check: no wheels in $WHEELS; fix: run scripts/fetch-gpu-wheels.sh where there is internet and carry $WHEELS/" >&2
+    exit 2
+  fi
+  echo "gpu-check: wheels in $WHEELS: $(du -ch "$WHEELS"/*.whl | tail -1 | cut -f1)"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore "$PYTHON" scripts/install_carried_wheels.py "$WHEELS" "$TARGET"
+  export PYTHONPATH="$REPO/$TARGET:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="$REPO/$TARGET/bin:$PATH"
+  echo "gpu-check: installed in $(( $(date +%s) - started )) s"
+else
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+mkdir -p "$WORKDIR" "$(dirname "$REPORT")"
+export GPU_CHECK_MODE=$MODE GPU_CHECK_REPORT=$REPORT GPU_CHECK_WORKDIR=$WORKDIR PYTHONWARNINGS=ignore
+rc=0
+timeout --kill-after=10 "${GPU_CHECK_LIMIT_S:-540}" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/gpu || rc=$?
+# Each check's log and result next to the report (the checkpoints stay in the work directory).
+for f in "$WORKDIR"/*.log "$WORKDIR"/*.json; do
+  if [ -f "$f" ] && [ "$(dirname "$(realpath "$f")")" != "$(dirname "$(realpath "$REPORT")")" ]; then
+    cp "$f" "$(dirname "$REPORT")/"
+  fi
+done
+echo "gpu-check ($MODE): exit $rc after $(( $(date +%s) - started )) s; report: $REPORT"
+exit "$rc"

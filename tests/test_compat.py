@@ -1,0 +1,62 @@
+"""pretrain/compat.py on the installed megatron-core (0.16.1 here; the newest release is checked on
+the GPU machine by scripts/gpu-check.sh): the background dist-checkpoint save runs on Megatron's
+own queue, and the writer's Manager starts through whichever getter the version has."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from pretrain.compat import (
+    accepts_keyword,
+    async_save_kwargs,
+    megatron_core_version,
+    warm_write_results_queue,
+    write_results_queue_getter,
+)
+
+
+def test_async_save_kwargs_match_the_installed_save_signature() -> None:
+    has_strategy = "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    assert async_save_kwargs() == ({"async_strategy": "mcore"} if has_strategy else {})
+    if megatron_core_version() == "0.16.1":
+        assert async_save_kwargs() == {}  # 0.16.1 has Megatron's queue only
+
+
+def test_accepts_keyword_reads_named_parameters_only() -> None:
+    def newer(sharded_state_dict, checkpoint_dir, async_sharded_save=False, async_strategy="nvrx"):  # noqa: ANN001, ANN202
+        return None
+
+    def catch_all(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        return None
+
+    assert accepts_keyword(newer, "async_strategy")
+    assert not accepts_keyword(catch_all, "async_strategy")
+
+
+def test_write_results_queue_getter_per_version() -> None:
+    getter = write_results_queue_getter()
+    assert getter.__module__ == filesystem_async.__name__
+    if megatron_core_version() == "0.16.1":
+        assert getter.__name__ == "_get_write_results_queue"
+    newer = types.ModuleType("filesystem_async_0_19")
+    newer.get_write_results_queue = lambda mp_mode="spawn": mp_mode  # the 0.19 name
+    assert write_results_queue_getter(newer)() == "spawn"
+
+
+def test_a_version_with_neither_getter_fails_in_one_line() -> None:
+    with pytest.raises(RuntimeError, match=r"fix: install a megatron-core between 0.16.1 and 0.19.x") as exc:
+        write_results_queue_getter(types.ModuleType("filesystem_async_future"))
+    assert "\n" not in str(exc.value)
+
+
+def test_the_writer_manager_starts_once() -> None:
+    warm_write_results_queue()
+    first = filesystem_async._results_queue
+    assert first is not None
+    warm_write_results_queue()
+    assert filesystem_async._results_queue is first
