@@ -9,7 +9,9 @@ Contract:
   (``ip netns exec`` binds ``/etc/netns/<ns>/hosts``), its own node-local "NVMe" directory and
   failure domain.
 * Faults are real: :meth:`Cluster.link` takes the node's switch port down (a partition: its
-  processes live on), :meth:`Cluster.netem` shapes its link with ``tc netem`` (delay, loss, rate),
+  processes live on), :meth:`Cluster.shape` limits its rate (``tc tbf``) and delays or drops its
+  frames (a node added with ``link="cable"``: this kernel has no ``netem``, see
+  :mod:`tests.cluster.cable`),
   :meth:`Cluster.kill` SIGKILLs every process in its namespace by pid, :meth:`Cluster.replace` gives
   a node index a new namespace and an empty disk.
 * Everything made is named ``rp16-<tag>-*`` / ``rp<tag>*`` (``tag`` from this process id) and
@@ -21,10 +23,12 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +89,8 @@ def _remove_tag(tag: str) -> None:
         name = line.split(":")[1].strip().split("@")[0]
         if name.startswith(f"rp{tag}"):
             sh("ip", "link", "del", name, check=False)
+    for sock in Path("/tmp").glob(f"{PREFIX}-{tag}-*.sock*"):
+        sock.unlink(missing_ok=True)
     (OWNERS / tag).unlink(missing_ok=True)
 
 
@@ -125,9 +131,10 @@ class Node:
 
 
 class Cluster:
-    """``nodes`` nodes named ``<name>-<i>``, each in failure domain ``rack-<i>``, disks under ``workdir``."""
+    """``nodes`` nodes named ``<name>-<i>``, each in failure domain ``rack-<i>``, disks under ``workdir``,
+    linked by ``link`` (``veth``, or ``cable`` for delay and loss)."""
 
-    def __init__(self, workdir: Path, nodes: int, name: str = "pretrain") -> None:
+    def __init__(self, workdir: Path, nodes: int, name: str = "pretrain", link: str = "veth") -> None:
         remove_leftovers()
         self.workdir = Path(workdir)
         self.tag = f"{os.getpid() % 0xFFFF:04x}"
@@ -137,13 +144,14 @@ class Cluster:
         self.basename = name
         self.nodes: dict[int, Node] = {}
         self._generation: dict[int, int] = {}
+        self._cables: list[subprocess.Popen[bytes]] = []
         self.count = nodes
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / self.tag).write_text(str(os.getpid()))
         try:
             self._make_hub()
             for i in range(nodes):
-                self.add(i)
+                self.add(i, link=link)
         except BaseException:
             self.close()
             raise
@@ -171,8 +179,10 @@ class Cluster:
         lines += [f"{self.address(i)} {self.node_name(i)}" for i in range(self.count)]
         return "\n".join(lines) + "\n"
 
-    def add(self, index: int, domain: str | None = None) -> Node:
-        """A new namespace for node ``index`` with an empty disk (``nvme-<index>``), linked to the bridge."""
+    def add(self, index: int, domain: str | None = None, link: str = "veth") -> Node:
+        """A new namespace for node ``index`` with an empty disk (``nvme-<index>``), linked to the
+        bridge by a veth pair, or (``link="cable"``) by the userspace cable that can add delay and
+        loss (:mod:`tests.cluster.cable`)."""
         gen = self._generation.get(index, -1) + 1
         self._generation[index] = gen
         ns = f"{PREFIX}-{self.tag}-n{index}g{gen}"
@@ -180,11 +190,14 @@ class Cluster:
         sh("ip", "netns", "add", ns)
         (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)
         (ETC_NETNS / ns / "hosts").write_text(self.hosts_text())
-        sh("ip", "link", "add", port, "type", "veth", "peer", "name", inner)
-        sh("ip", "link", "set", port, "netns", self.hub)
+        if link == "cable":
+            self._cable(index, ns, port)
+        else:
+            sh("ip", "link", "add", port, "type", "veth", "peer", "name", inner)
+            sh("ip", "link", "set", port, "netns", self.hub)
+            sh("ip", "link", "set", inner, "netns", ns)
+            sh("ip", "-n", ns, "link", "set", inner, "name", "eth0")
         sh("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
-        sh("ip", "link", "set", inner, "netns", ns)
-        sh("ip", "-n", ns, "link", "set", inner, "name", "eth0")
         sh("ip", "-n", ns, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
         sh("ip", "-n", ns, "link", "set", "eth0", "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -194,6 +207,29 @@ class Cluster:
         node = Node(index, self.node_name(index), ns, self.address(index), port, nvme, domain or f"rack-{index}")
         self.nodes[index] = node
         return node
+
+    def _cable(self, index: int, ns: str, port: str) -> None:
+        sh("ip", "-n", ns, "tuntap", "add", "dev", "eth0", "mode", "tap")
+        sh("ip", "-n", self.hub, "tuntap", "add", "dev", port, "mode", "tap")
+        config = self.workdir / f"cable-{index}.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text('{"delay_ms": 0, "loss": 0.0}')
+        sock = f"/tmp/{PREFIX}-{self.tag}-{port}.sock"
+        Path(sock).unlink(missing_ok=True)
+        Path(sock + ".ready").unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        cmd = [sys.executable, "-m", "tests.cluster.cable"]
+        log = open(self.workdir / f"cable-{index}.log", "a")  # noqa: SIM115 (kept open by the child)
+        listen = ["ip", "netns", "exec", self.hub, *cmd, "listen", port, sock, str(config)]
+        self._cables.append(subprocess.Popen(listen, stdout=log, stderr=log, env=env))
+        deadline = time.monotonic() + 30
+        while not Path(sock + ".ready").exists():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"cable of node {index} did not start; see {log.name}")
+            time.sleep(0.02)
+        connect = ["ip", "netns", "exec", ns, *cmd, "connect", "eth0", sock, str(config)]
+        self._cables.append(subprocess.Popen(connect, stdout=log, stderr=log, env=env))
+        log.close()
 
     # -- processes --------------------------------------------------------------------------------
     def popen(self, index: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
@@ -220,12 +256,21 @@ class Cluster:
         """Take node ``index``'s switch port down (a partition) or up again."""
         sh("ip", "-n", self.hub, "link", "set", self.nodes[index].port, "up" if up else "down")
 
-    def netem(self, index: int, spec: str | None) -> None:
-        """``tc netem`` on the node's egress, e.g. ``delay 20ms loss 1% rate 200mbit``; None clears it."""
+    def shape(self, index: int, delay_ms: float = 0, loss: float = 0.0, rate: str | None = None) -> None:
+        """Impair node ``index``'s egress: ``rate`` (e.g. ``100mbit``) with the kernel's ``tbf``;
+        ``delay_ms`` and ``loss`` (a fraction) through its cable (``add(..., link="cable")``).
+        All zero/None: a clean link again."""
         ns = self.nodes[index].ns
         sh("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
-        if spec:
-            sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", *spec.split())
+        if rate:
+            sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "64kb", "latency", "400ms")
+        config = self.workdir / f"cable-{index}.json"
+        if delay_ms or loss or config.exists():
+            if not config.exists():
+                raise ClusterError(f"node {index} has a veth link: delay/loss need add({index}, link='cable')")
+            tmp = config.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"delay_ms": delay_ms, "loss": loss}))
+            os.replace(tmp, config)
 
     def kill(self, index: int) -> None:
         """SIGKILL every process of node ``index`` (by pid) and reap the ones this harness started."""
@@ -257,6 +302,9 @@ class Cluster:
             with contextlib.suppress(ClusterError):
                 self.remove(index)
         _remove_tag(self.tag)
+        for proc in self._cables:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
 
     def __enter__(self) -> Cluster:
         return self
