@@ -53,7 +53,8 @@ class CommitWatch(threading.Thread):
             if step in self.committed_at:
                 continue
             self.committed_at[step] = time.monotonic()
-            manifest = json.loads(self.s3.get_object(Bucket=self.bucket, Key=f"{step_dir}/manifest.json")["Body"].read())
+            raw = self.s3.get_object(Bucket=self.bucket, Key=f"{step_dir}/manifest.json")["Body"].read()
+            manifest = json.loads(raw)
             for entry in manifest["files"]:
                 if sizes.get(f"{step_dir}/{entry['path']}") != entry["bytes"]:
                     self.violations.append(f"step {step} COMMITTED while {entry['path']} was not complete")

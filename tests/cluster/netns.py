@@ -263,7 +263,8 @@ class Cluster:
         ns = self.nodes[index].ns
         sh("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
         if rate:
-            sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "64kb", "latency", "400ms")
+            tbf = ["tbf", "rate", rate, "burst", "64kb", "latency", "400ms"]
+            sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf)
         config = self.workdir / f"cable-{index}.json"
         if delay_ms or loss or config.exists():
             if not config.exists():
