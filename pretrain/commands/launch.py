@@ -295,12 +295,12 @@ def launch(
     # The config is checked here so a typo fails before any node starts; its emergency-save
     # deadline sizes how long ft_launcher lets workers finish after SIGTERM.
     cfg = load_config(config, extra_sets)
+    # A run stopped for a failure that would repeat must not be restarted by a requeue or a pod restart.
+    refuse_if_stopped(run_dir(cfg.run.dir, plan.run_id or cfg.run.id))
     try:  # a world size the layout cannot divide (e.g. a scale-down) fails here, not in every rank
         check_world_size(cfg, plan.nnodes, nproc)
     except ConfigError as exc:
         raise LaunchError(str(exc)) from exc
-    # A run stopped for a failure that would repeat must not be restarted by a requeue or a pod restart.
-    refuse_if_stopped(run_dir(cfg.run.dir, plan.run_id or cfg.run.id))
     stop_timeout = int(cfg.fault_tolerance.emergency_save_timeout) + 10
     launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets, stop_timeout)
