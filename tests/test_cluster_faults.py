@@ -41,10 +41,10 @@ import pytest
 
 from pretrain.resilience.phases import read_phases
 from tests.cluster.job import metric_rows, start_node, wait_exit, wait_metric_step
-from tests.cluster.netns import Cluster
+from tests.cluster.netns import Cluster, unavailable
 from tests.helpers import events, metrics_by_step, overrides_for, torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 STEPS = 60
 COMMON = {

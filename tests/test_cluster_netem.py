@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.netns import Cluster
+from tests.cluster.netns import Cluster, unavailable
 from tests.helpers import PYTHON, REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 PAYLOAD = 8_000_000  # bytes each rank replicates per round (the tiny model's state is ~5.4 MB)
 TIMEOUT_S = 6.0  # checkpoint.replication.timeout_s of the probe

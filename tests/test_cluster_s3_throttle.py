@@ -18,12 +18,12 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.cluster.netns import Cluster
+from tests.cluster.netns import Cluster, unavailable
 from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, REPO
 from tests.test_s3_tier import make_step
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 BURST_S = float(os.environ.get("RP16_BURST_S", "12"))  # the closing note's 60 s: RP16_BURST_S=60
 RETRY_MAX_S = 4.0

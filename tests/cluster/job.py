@@ -97,14 +97,14 @@ def wait_metric_step(run_dir: Path, step: int, procs: list[subprocess.Popen[str]
     raise AssertionError(f"step {step} never appeared in {run_dir}/metrics.jsonl")
 
 
-def wait_exit(procs: dict[int, subprocess.Popen[str]], timeout: float = 300) -> dict[int, int]:
+def wait_exit(procs: dict[int, subprocess.Popen[str]], timeout: float = 300) -> dict[int, int | None]:
     """Each node's exit status; a node still running at the deadline is reported as None (the
     caller's cluster close kills it)."""
     deadline = time.monotonic() + timeout
-    out: dict[int, int] = {}
+    out: dict[int, int | None] = {}
     for index, proc in procs.items():
         try:
             out[index] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            out[index] = None  # type: ignore[assignment]
+            out[index] = None
     return out

@@ -43,6 +43,18 @@ class ClusterError(RuntimeError):
     """The harness could not set up or change the cluster; one line."""
 
 
+def unavailable() -> str | None:
+    """Why no cluster can be built here (None: it can): tests skip with this reason."""
+    if os.geteuid() != 0:
+        return "the cluster harness needs root (network namespaces)"
+    for tool in ("ip", "tc", "unshare"):
+        if not shutil.which(tool):
+            return f"the cluster harness needs {tool} (iproute2, util-linux)"
+    if not Path("/dev/net/tun").exists():
+        return "the cluster harness needs /dev/net/tun (the delay/loss cable)"
+    return None
+
+
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
     if check and proc.returncode != 0:
