@@ -29,8 +29,10 @@ def node_env(cluster: Cluster, index: int, run_id: str, nnodes: int) -> dict[str
     node = cluster.nodes[index]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "NODE_", "FAILURE_", "TORCHELASTIC"))}
     env.pop("POD_NAME", None)
+    sockets = Path(tempfile.mkdtemp(prefix="rpc-", dir="/tmp"))  # NVRx unix sockets: a short per-node path
+    cluster.scratch.append(sockets)
     env.update(
-        TMPDIR=tempfile.mkdtemp(prefix="rpc-", dir="/tmp"),  # NVRx unix sockets: a short per-node path
+        TMPDIR=str(sockets),
         PYTHONWARNINGS="ignore",
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(REPO),

@@ -157,6 +157,7 @@ class Cluster:
         self.nodes: dict[int, Node] = {}
         self._generation: dict[int, int] = {}
         self._cables: list[subprocess.Popen[bytes]] = []
+        self.scratch: list[Path] = []  # directories made for the cluster's processes, removed on close
         self.count = nodes
         OWNERS.mkdir(parents=True, exist_ok=True)
         (OWNERS / self.tag).write_text(str(os.getpid()))
@@ -318,6 +319,8 @@ class Cluster:
         for proc in self._cables:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
+        for path in self.scratch:
+            shutil.rmtree(path, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
         return self
