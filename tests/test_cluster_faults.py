@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ import pytest
 from pretrain.resilience.phases import read_phases
 from tests.cluster.job import metric_rows, start_node, wait_exit, wait_metric_step
 from tests.cluster.netns import Cluster, unavailable
-from tests.helpers import events, metrics_by_step, overrides_for, torchrun
+from tests.helpers import TINY, events, job_env, metrics_by_step, overrides_for, torchrun_prefix
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
@@ -120,7 +121,9 @@ def _wait_committed(step_dir: Path, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
-def _run_faults(cluster: Cluster, work: Path, corpus: Path, base: Path) -> dict[str, Any]:
+def _run_faults(
+    cluster: Cluster, work: Path, corpus: Path, base: Path, baseline: subprocess.Popen[str]
+) -> dict[str, Any]:
     """Phases 1-2 and the loss that forces the scale-down; returns what was measured."""
     run_dir = work / "runs" / "t"
     over = _job_overrides(work, corpus, STEPS)
@@ -130,6 +133,7 @@ def _run_faults(cluster: Cluster, work: Path, corpus: Path, base: Path) -> dict[
     out["partition"] = _partition(cluster, run_dir, [work / f"nvme-{i}" for i in range(3)] + [work / "reshard"])
     wait_metric_step(run_dir, LOSS_AFTER, list(procs.values()))
     out["last_before_loss"] = max(r["step"] for r in metric_rows(run_dir))
+    assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]  # its disk is the stale one
     out["fault"] = time.time()
     out["stale"] = _lose_node(cluster, base)
     procs[2] = start_node(cluster, 2, over, max_restarts=3)
@@ -179,16 +183,31 @@ def _check_training(run_dir: Path, base_dir: Path) -> float:
     return worst
 
 
-def test_partition_node_loss_and_scaling_on_a_cluster(tmp_path: Path, corpus: Path) -> None:
-    base = tmp_path / "baseline"
+def _start_baseline(base: Path, corpus: Path) -> subprocess.Popen[str]:
+    """The uninterrupted 3-rank run (torchrun, one namespace), in the background: it overlaps the
+    cluster job's waits (heartbeat timeouts, the partition)."""
     over = overrides_for(base, corpus, **COMMON, **{"checkpoint.replication.allow_same_domain": "true"})
     keep = "checkpoint.local.keep=6"  # every tier-1 step stays: the stale disk of the replacement
-    torchrun(base, 3, [*over, "run.id=base", f"train.steps={STEPS}", keep], timeout=300)
+    cmd = [*torchrun_prefix(3), "-m", "pretrain", "train", "--config", str(TINY)]
+    for item in [*over, "run.id=base", f"train.steps={STEPS}", keep]:
+        cmd += ["--set", item]
+    base.mkdir(parents=True)
+    log = open(base / "job.log", "w")  # noqa: SIM115 (the child writes it)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=job_env(base), cwd=base)
+
+
+def test_partition_node_loss_and_scaling_on_a_cluster(tmp_path: Path, corpus: Path) -> None:
+    base = tmp_path / "baseline"
+    baseline = _start_baseline(base, corpus)
     work = tmp_path / "cluster"
     run_dir = work / "runs" / "t"
-    with Cluster(work, 3) as cluster:
-        measured = _run_faults(cluster, work, corpus, base)
-        _rescale(cluster, work, corpus)
+    try:
+        with Cluster(work, 3) as cluster:
+            measured = _run_faults(cluster, work, corpus, base, baseline)
+            _rescale(cluster, work, corpus)
+    finally:
+        if baseline.poll() is None:
+            baseline.kill()
     _check_partition(measured["partition"])
     ev = events(run_dir)
     restore = [e for e in ev if e["event"] == "restore"]
