@@ -710,6 +710,34 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
         )
 
 
+def fitting_node_counts(cfg: Config, nproc_per_node: int, up_to: int) -> list[int]:
+    """Node counts from 1 to ``up_to`` whose world size (nodes x ``nproc_per_node``) the parallel
+    layout and the global batch divide (what :func:`validate` checks per world size)."""
+    fits = []
+    for nodes in range(1, up_to + 1):
+        try:
+            _check_topology(cfg, nodes * nproc_per_node, Fail(cfg.source))
+        except ConfigError:
+            continue
+        fits.append(nodes)
+    return fits
+
+
+def check_world_size(cfg: Config, nnodes: int, nproc_per_node: int) -> None:
+    """Before any node starts (``pretrain launch``): refuse a node count the layout cannot divide,
+    e.g. a scale-down to 5 of 6 nodes, with one line naming the node counts that work."""
+    try:
+        _check_topology(cfg, nnodes * nproc_per_node, Fail(cfg.source))
+    except ConfigError as exc:
+        problem = str(exc).split("; fix:", 1)[0]
+        fits = fitting_node_counts(cfg, nproc_per_node, max(8, 2 * nnodes))
+        sizes = ", ".join(f"{n} ({n * nproc_per_node} ranks)" for n in fits) or "none up to " + str(2 * nnodes)
+        raise ConfigError(
+            f"{nnodes} node(s) x {nproc_per_node} rank(s) = world size {nnodes * nproc_per_node} does not fit "
+            f"this layout: {problem}; fix: launch with a node count that fits: {sizes}"
+        ) from exc
+
+
 def _check_topology(cfg: Config, world_size: int, fail: Fail) -> None:
     """The model, the batch and the world size split over tp x pp x dp."""
     m, p, d = cfg.model, cfg.parallel, cfg.data

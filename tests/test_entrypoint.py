@@ -11,13 +11,18 @@ import pytest
 
 from pretrain.commands.launch import check_flags, expand_slurm_nodelist, first_slurm_host
 from pretrain.errors import LaunchError
+from pretrain.resilience.attempts import scaled_from
 from tests.helpers import PYTHON, TINY
+
+# 8 ranks per node on 1 to 4 nodes: a global batch that micro-batch 2 x every such dp divides.
+FITS = ("--set", "data.global_batch_size=192")
 
 
 def _launch(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     base = {"PATH": os.environ["PATH"], "PYTHONWARNINGS": "ignore"}
+    argv = [PYTHON, "-m", "pretrain", "launch", "--config", str(TINY), "--nproc-per-node", "8", "--dry-run"]
     return subprocess.run(
-        [PYTHON, "-m", "pretrain", "launch", "--config", str(TINY), "--nproc-per-node", "8", "--dry-run", *extra],
+        [*argv, *FITS, *extra],
         capture_output=True,
         text=True,
         env={**base, **env},
@@ -97,6 +102,30 @@ def test_unsupported_flag_fails_fast(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
         check_flags(str(fake), [str(fake), "--nnodes=2", "--max-restarts=3", "--rdzv-backend=c10d", "-m", "x"])
     assert "does not accept --rdzv-backend" in str(err.value)
+
+
+def test_node_count_the_layout_cannot_divide_is_refused_naming_those_that_fit(tmp_path: Path) -> None:
+    """A scale-down to 5 nodes of 8 ranks: a global batch of 192 splits over dp 8, 16, 24, 32, 48, 64, 96
+    (micro-batch 2) but not 40; refused before any rank starts, in one line naming the counts that fit."""
+    out = _launch({"HOSTNAME": "pretrain-0", "NNODES": "5", "LOCAL_NVME": str(tmp_path)})
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "5 node(s) x 8 rank(s) = world size 40 does not fit" in lines[0], lines[0]
+    assert "192 is not divisible by micro_batch_size*dp=2*40" in lines[0], lines[0]
+    fits = "fix: launch with a node count that fits: 1 (8 ranks), 2 (16 ranks), 3 (24 ranks), 4 (32 ranks), 6"
+    assert fits in lines[0], lines[0]
+
+
+def test_scaled_attempts_are_recorded() -> None:
+    earlier = [{"hosts": ["a", "b", "c"], "world_size": 3}, {"world_size": 3}]  # the last died unrecorded
+    assert scaled_from(earlier, ["a", "b"], 2) == {
+        "from_nodes": 3,
+        "to_nodes": 2,
+        "from_world_size": 3,
+        "to_world_size": 2,
+    }
+    assert scaled_from(earlier, ["a", "b", "c"], 3) is None
+    assert scaled_from([], ["a"], 1) is None
 
 
 def test_nodelists() -> None:

@@ -257,6 +257,7 @@ def _remote(args: argparse.Namespace) -> RemoteTier:
         multipart_chunk_mb=args.multipart_chunk_mb,
         checksum_header=args.checksum_header,
         fault=getattr(args, "inject_fault", None),
+        max_attempts=getattr(args, "max_attempts", 5),
     )
 
 
@@ -360,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--owner", default=None, help="lease identity (default: RP_RUN_OWNER, else user@host)")
     up.add_argument("--poll-s", type=float, default=5.0, help="--watch polling period")
     up.add_argument("--retry-max-s", type=float, default=60.0, help="backoff cap while the store is unreachable")
+    up.add_argument(
+        "--max-attempts", type=_positive, default=5, help="S3 client tries per request before the uploader backs off"
+    )
     mode = up.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
     mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")

@@ -147,6 +147,7 @@ class S3Store:
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -159,9 +160,12 @@ class S3Store:
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 raise KeyError(what) from exc
             raise ObjectStoreError(f"{self.url}/{what}: {code or status}: {exc}") from exc
-        except BotoCoreError as exc:
+        except (BotoCoreError, Boto3Error) as exc:
+            # Boto3Error: upload_file/download_file wrap a part's final error (e.g. 503 SlowDown after
+            # the client's retries) in S3UploadFailedError / S3TransferFailedError.
+            first = str(exc).splitlines()[0] if str(exc) else ""
             raise ObjectStoreError(
-                f"{self.url}/{what}: {type(exc).__name__}: {exc}; fix: check "
+                f"{self.url}/{what}: {type(exc).__name__}: {first}; fix: check "
                 "checkpoint.s3.endpoint_url, network and credentials"
             ) from exc
 

@@ -83,10 +83,14 @@ class RemoteTier:
         multipart_chunk_mb: int = 64,
         checksum_header: bool = False,
         fault: str | None = None,
+        max_attempts: int = 5,
     ) -> RemoteTier:
         """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``); ``fault``
-        injects deliberate S3 faults (tests and drills only)."""
-        store, prefix = open_store(uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, fault=fault)
+        injects deliberate S3 faults (tests and drills only); ``max_attempts``: the S3 client's tries
+        per request before the error reaches the caller (whose own backoff then applies)."""
+        store, prefix = open_store(
+            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, max_attempts=max_attempts, fault=fault
+        )
         return cls(store, prefix, run_id, concurrency)
 
     # -- keys ------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ stale multipart uploads of its own run, so a SIGKILLed predecessor leaves no deb
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -22,13 +23,22 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Backoff:
+    """Capped exponential backoff with jitter: the n-th consecutive failure waits a random time in
+    ``(ceiling * (1 - jitter), ceiling]`` where ``ceiling = min(cap_s, base_s * 2**(n-1))``, so many
+    uploaders throttled by one store (503 SlowDown) do not retry in lock step."""
+
     base_s: float = 1.0
     cap_s: float = 60.0
+    jitter: float = 0.5  # fraction of the ceiling that is randomised (0: exact powers of two)
     failures: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def ceiling(self) -> float:
+        return min(self.cap_s, self.base_s * 2 ** min(self.failures - 1, 62))
 
     def next_delay(self) -> float:
         self.failures += 1
-        return min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+        return self.ceiling() * (1.0 - self.jitter * self.rng.random())
 
     def reset(self) -> None:
         self.failures = 0
@@ -93,7 +103,7 @@ class Uploader:
                 delay = backoff.next_delay()
                 pending = self.staging.committed_steps()
                 log.error(
-                    "upload failed (%s); retrying in %.1fs; staging steps pending: %s", exc, delay, sorted(pending)
+                    "upload failed (%s); retrying in %.2fs; staging steps pending: %s", exc, delay, sorted(pending)
                 )
             if max_seconds is not None and time.monotonic() - t0 + delay > max_seconds:
                 return

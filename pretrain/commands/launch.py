@@ -15,10 +15,19 @@ input fails at start with one line naming what is wrong and how to fix it.
   default: the node is its own domain), ``RUN_ID`` (default: the config's ``run.id``).
   With a topology file, a job whose nodes all share one domain is refused (replicas would share
   the failure they exist to survive) unless ``ALLOW_SAME_DOMAIN=1``.
+* A node count whose world size the parallel layout or the global batch cannot divide (a
+  scale-down to 5 of 6 nodes, say) is refused with the node counts that would work.
+
+``ft_launcher --help`` (the truth about its flags) is cached per launcher file and NVRx version
+under ``$XDG_CACHE_HOME/resilient-pretrain`` (default ``~/.cache``): it imports torch, seconds that
+every launch and every pod restart would pay again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
 import os
 import re
 import shlex
@@ -29,8 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.config import load_config
-from pretrain.errors import LaunchError
+from pretrain.config import check_world_size, load_config
+from pretrain.errors import ConfigError, LaunchError
 from pretrain.resilience.job_policy import refuse_if_stopped
 from pretrain.runlog import run_dir
 
@@ -230,12 +239,40 @@ def ft_launcher_argv(
     return cmd
 
 
-def check_flags(launcher: str, argv: list[str]) -> None:
-    """Fail fast if the installed ft_launcher does not know a flag we pass (its --help is the truth)."""
+def _help_cache(launcher: str) -> Path | None:
+    """Where ``ft_launcher --help`` of this launcher file and NVRx version is kept: running it
+    imports torch (5 s and more on a busy node, at every launch and restart of a pod)."""
     try:
-        help_text = subprocess.run([launcher, "--help"], capture_output=True, text=True, timeout=120).stdout
+        version = importlib.metadata.version("nvidia-resiliency-ext")
+        st = os.stat(launcher)
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return None
+    key = hashlib.sha256(f"{launcher}|{st.st_size}|{st.st_mtime_ns}|{version}".encode()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "resilient-pretrain"
+    return base / f"ft_launcher-help-{key}.txt"
+
+
+def launcher_help(launcher: str) -> str:
+    """``launcher --help``, from the cache when this launcher and NVRx version were seen before."""
+    cache = _help_cache(launcher)
+    if cache is not None and cache.is_file():
+        return cache.read_text(encoding="utf-8")
+    try:
+        text = subprocess.run([launcher, "--help"], capture_output=True, text=True, timeout=120).stdout
     except OSError as exc:
         raise LaunchError(f"{launcher}: cannot run ({exc.strerror}); fix: install nvidia-resiliency-ext") from exc
+    if cache is not None and "--nnodes" in text:
+        with contextlib.suppress(OSError):  # a read-only home only costs the next launch the 5 s
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, cache)
+    return text
+
+
+def check_flags(launcher: str, argv: list[str]) -> None:
+    """Fail fast if the installed ft_launcher does not know a flag we pass (its --help is the truth)."""
+    help_text = launcher_help(launcher)
     for arg in argv[1:]:
         if arg == "-m":
             break
@@ -264,6 +301,10 @@ def launch(
     cfg = load_config(config, extra_sets)
     # A run stopped for a failure that would repeat must not be restarted by a requeue or a pod restart.
     refuse_if_stopped(run_dir(cfg.run.dir, plan.run_id or cfg.run.id))
+    try:  # a world size the layout cannot divide (e.g. a scale-down) fails here, not in every rank
+        check_world_size(cfg, plan.nnodes, nproc)
+    except ConfigError as exc:
+        raise LaunchError(str(exc)) from exc
     stop_timeout = int(cfg.fault_tolerance.emergency_save_timeout) + 10
     launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets, stop_timeout)

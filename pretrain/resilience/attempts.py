@@ -9,11 +9,15 @@ own record; the next attempt does, from the evidence the dead one left behind:
   preemption signal) knew when it went down (:func:`record_failure`);
 * ``events.jsonl`` ``fault_injected`` lines (drills);
 * the tail of ``metrics.jsonl`` for the last step the attempt finished and when.
+
+A record's ``scaled`` says when the attempt runs on another number of nodes or ranks than the one
+before it (``{from_nodes, to_nodes, from_world_size, to_world_size}``; None otherwise).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -23,6 +27,8 @@ from typing import Any
 from pretrain.resilience.failures import Classification, FailureInfo
 from pretrain.resilience.phases import read_phases, record_of
 from tiering.fsio import atomic_write_bytes
+
+log = logging.getLogger(__name__)
 
 ATTEMPT_GLOB = "attempt-*.json"
 _TAIL_BYTES = 1 << 20
@@ -72,6 +78,20 @@ def _process_start() -> float:
     import psutil
 
     return psutil.Process().create_time()
+
+
+def scaled_from(earlier: list[dict[str, Any]], hosts: list[str], world_size: int) -> dict[str, int] | None:
+    """``{from_nodes, to_nodes, from_world_size, to_world_size}`` when an attempt on ``hosts`` runs on
+    another number of nodes or ranks than the last earlier attempt that recorded its hosts (a
+    scale-down after a node loss, or back up); None for the first attempt or the same size."""
+    last = next((rec for rec in reversed(earlier) if rec.get("hosts")), None)
+    if last is None:
+        return None
+    before, now = len(last["hosts"]), len(set(hosts))
+    if before == now and last.get("world_size") == world_size:
+        return None
+    previous_world = int(last.get("world_size", 0))
+    return {"from_nodes": before, "to_nodes": now, "from_world_size": previous_world, "to_world_size": world_size}
 
 
 def _last_progress(run_dir: Path, attempt_id: str) -> tuple[int | None, float | None]:
@@ -263,7 +283,17 @@ class AttemptLog:
             "time_to_first_step_seconds": None,
             "rto_seconds": None,
             "failure": None,
+            "scaled": scaled_from(existing, hosts, world_size),
         }
+        if self.record["scaled"] is not None:
+            sc = self.record["scaled"]
+            log.warning(
+                "this attempt runs on %d node(s) (%d ranks); the previous one ran on %d (%d ranks): the run scaled",
+                sc["to_nodes"],
+                sc["to_world_size"],
+                sc["from_nodes"],
+                sc["from_world_size"],
+            )
         self._flush()
 
     def _record_unrecorded(
