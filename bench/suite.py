@@ -294,7 +294,11 @@ def main() -> int:
     parser.add_argument("--s3-sizes-mb", type=int, nargs="+", default=[300])
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument(
-        "--parts", nargs="+", default=["io", "s3", "trainer"], choices=["io", "s3", "trainer"], help="what to measure"
+        "--parts",
+        nargs="+",
+        default=["io", "s3", "blocked", "steps"],
+        choices=["io", "s3", "blocked", "steps"],
+        help="what to measure (steps needs blocked)",
     )
     parser.add_argument(
         "--steps-only", action="store_true", help="re-measure only the steps/s ratio into today's results file"
@@ -324,8 +328,9 @@ def main() -> int:
             results["io"] = [measure_io(mb, args.repeats, work / "io") for mb in args.sizes_mb]
         if "s3" in args.parts and os.environ.get("S3_ENDPOINT_URL"):
             results["s3"] = measure_s3(os.environ["S3_ENDPOINT_URL"], args.s3_sizes_mb, args.repeats)
-        if "trainer" in args.parts:
+        if "blocked" in args.parts or "steps" in args.parts:
             results["blocked"] = [measure_blocked(work / "blocked", mb, args.trainer_steps) for mb in args.sizes_mb]
+        if "steps" in args.parts:
             small = results["blocked"][0]
             mode = small["best_mode"]
             results["steps"] = measure_steps(

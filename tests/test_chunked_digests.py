@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.checkpointing.per_rank import load_verified_state
 from tests.helpers import events, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.digest import LOCAL_HASH, PORTABLE_HASH, ChunkedDigest, HashSpec, check_file, hash_bytes, hash_file
@@ -241,8 +242,6 @@ FIXTURE = Path(__file__).parent / "fixtures" / "manifest-v1"
 
 def test_v1_step_written_before_v2_verifies_and_loads(tmp_path: Path) -> None:
     """A tier-1 step written by the code of 2026-12-01 (format v1, one SHA-256 per file)."""
-    from pretrain.checkpointing.per_rank import load_verified_state
-
     root = tmp_path / "ckpt"
     shutil.copytree(FIXTURE / "t", root / "t")
     step_dir = root / "t" / "ranks" / "rank-00000" / "steps" / "step-000000010"

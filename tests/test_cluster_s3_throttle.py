@@ -7,7 +7,6 @@ the store recovers it catches up, and every promoted byte verifies."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -22,6 +21,8 @@ from tests.cluster.netns import Cluster, unavailable
 from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, REPO
 from tests.test_s3_tier import make_step
+from tiering.digest import hash_bytes
+from tiering.manifest import Manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
@@ -72,10 +73,13 @@ def _delays(log: str) -> list[float]:
 def _verify_every_byte(endpoint: str, bucket: str, step: int) -> None:
     s3 = boto3.client("s3", endpoint_url=endpoint)
     base = f"ckpt/t/steps/step-{step:09d}"
-    manifest = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}/manifest.json")["Body"].read())
-    for entry in manifest["files"]:
-        data = s3.get_object(Bucket=bucket, Key=f"{base}/{entry['path']}")["Body"].read()
-        assert hashlib.sha256(data).hexdigest() == entry["sha256"], (step, entry["path"])
+    raw = s3.get_object(Bucket=bucket, Key=f"{base}/manifest.json")["Body"].read()
+    for entry in Manifest.from_json(raw, base).files:
+        data = s3.get_object(Bucket=bucket, Key=f"{base}/{entry.path}")["Body"].read()
+        chunks = tuple(
+            hash_bytes(entry.hash, data[i : i + entry.chunk_bytes]) for i in range(0, len(data), entry.chunk_bytes)
+        )
+        assert len(data) == entry.bytes and chunks == entry.chunks, (step, entry.path)
 
 
 def test_uploader_rides_out_a_throttling_flaky_store(s3_endpoint: str, bucket: str, tmp_path: Path) -> None:
