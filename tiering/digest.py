@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -287,41 +287,37 @@ class StreamChecker:
 
     def __init__(self, buffer: memoryview, files: list[tuple[str, ChunkedDigest]], threads: int = 2) -> None:
         self._buffer = buffer
-        self._pending: list[tuple[int, str, ChunkedDigest, int]] = []  # (end offset, path, digest, chunk)
+        # (end offset in the buffer, path, digest, chunk index, start offset of the file)
+        self._pending: list[tuple[int, str, ChunkedDigest, int, int]] = []
         offset = 0
         for rel, expected in files:
             for index in range(len(expected.chunks)):
                 start, length = chunk_range(index, expected.size, expected.chunk_bytes)
-                self._pending.append((offset + start + length, rel, expected, index))
+                self._pending.append((offset + start + length, rel, expected, index, offset))
             offset += expected.size
         self._total = offset
-        self._start_of = {}
-        offset = 0
-        for rel, expected in files:
-            self._start_of[rel] = offset
-            offset += expected.size
         self._pool = ThreadPoolExecutor(_workers(threads))
-        self._futures: list[object] = []
+        self._futures: list[Future[tuple[str, str] | None]] = []
         self._next = 0
 
-    def _check(self, rel: str, expected: ChunkedDigest, index: int) -> tuple[str, str] | None:
+    def _check(self, rel: str, expected: ChunkedDigest, index: int, file_start: int) -> tuple[str, str] | None:
         start, length = chunk_range(index, expected.size, expected.chunk_bytes)
-        base = self._start_of[rel] + start
+        base = file_start + start
         if hash_bytes(expected.hash, self._buffer[base : base + length]) == expected.chunks[index]:
             return None
         return rel, bad_chunk_reason(index, len(expected.chunks), expected.size, expected.chunk_bytes)
 
     def arrived(self, upto: int) -> None:
         while self._next < len(self._pending) and self._pending[self._next][0] <= upto:
-            _, rel, expected, index = self._pending[self._next]
-            self._futures.append(self._pool.submit(self._check, rel, expected, index))
+            _, rel, expected, index, file_start = self._pending[self._next]
+            self._futures.append(self._pool.submit(self._check, rel, expected, index, file_start))
             self._next += 1
 
     def result(self) -> tuple[str, str] | None:
         self.arrived(self._total)
         try:
             for fut in self._futures:
-                bad = fut.result()  # type: ignore[attr-defined]
+                bad = fut.result()
                 if bad is not None:
                     return bad
             return None
