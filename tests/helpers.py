@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from tiering.layout import RunLayout
+from tiering.transport import ReceivedStep
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -209,3 +212,18 @@ def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))
+
+
+def arrived(
+    layout: RunLayout, claims: tuple[str, int, int], manifest_raw: bytes, files: dict[str, bytes], attempt: str = "a1"
+) -> ReceivedStep:
+    """Files as the transport leaves them in a receiver's temporary directory, sent by a peer
+    claiming ``(run id, step, owner)``, with nothing checked on arrival (``publish_received`` then
+    checks them on disk, as it does for format v1 steps)."""
+    run_id, step, owner = claims
+    directory = layout.tmp_dir(step, attempt)
+    directory.mkdir(parents=True)
+    for rel, data in files.items():
+        (directory / rel).write_bytes(data)
+    header = {"run_id": run_id, "step": step, "owner": owner}
+    return ReceivedStep(header, manifest_raw, directory, [(rel, len(data)) for rel, data in files.items()])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pretrain.checkpointing.per_rank import load_verified_state
-from tests.helpers import events, metrics_by_step, overrides_for, torchrun
+from tests.helpers import arrived, events, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.digest import LOCAL_HASH, PORTABLE_HASH, ChunkedDigest, HashSpec, check_file, hash_bytes, hash_file
 from tiering.errors import ReplicaRejected, VerificationError
@@ -184,21 +184,22 @@ def test_replica_corruption_falls_back_to_the_older_step(tmp_path: Path, corrupt
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_received_replica_with_a_corruption_is_never_committed(tmp_path: Path, corruption: str) -> None:
-    """What a peer sends: the same damage in the bytes or the manifest on the wire."""
+    """What a peer sent, checked on disk (format v1's path; the transport checks v2 chunks on
+    arrival, tests/test_transport.py): the same damage in the bytes or the manifest."""
     good = _publish(RunLayout(tmp_path / "sender", RUN), 20, owner=1)
     damage, needle = CORRUPTIONS[corruption]
     damage(good)
     raw = (good / MANIFEST_NAME).read_bytes()
     layout = RunLayout(tmp_path / "replicas", "rank-00001")
     with pytest.raises(VerificationError) as exc:
-        publish_received(layout, raw, [(STATE, (good / STATE).read_bytes())], "a1", RUN, 20, 1)
+        publish_received(layout, arrived(layout, (RUN, 20, 1), raw, {STATE: (good / STATE).read_bytes()}), RUN, 20, 1)
     if "flipped" in corruption:
         assert isinstance(exc.value, ReplicaRejected) and needle in str(exc.value) and STATE in str(exc.value)
     elif "truncated" in corruption:
         assert "size differs" in str(exc.value)
     else:
         assert needle in str(exc.value)
-    assert not layout.step_dir(20).exists()
+    assert not layout.step_dir(20).exists() and not layout.tmp_dir(20, "a1").exists()
 
 
 def _corrupt_object(remote: RemoteTier, step: int, corruption: str, staging: Path) -> None:

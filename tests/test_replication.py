@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import (
     PYTHON,
+    arrived,
     events,
     flip_byte,
     ft_launch,
@@ -80,7 +81,7 @@ def _manifest(run: str, step: int, owner: int, data: bytes) -> bytes:
         ("other-run", 10, 1, b"abc", "belongs to run 'other-run'"),
         ("t", 20, 1, b"abc", "is for step 20, expected 10"),
         ("t", 10, 0, b"abc", "owned by rank 0, expected 1"),
-        ("t", 10, 1, b"abd", "do not match the manifest"),
+        ("t", 10, 1, b"abd", "received SHA-256 does not match manifest"),
     ],
 )
 def test_replica_not_matching_its_manifest_is_rejected(
@@ -88,16 +89,20 @@ def test_replica_not_matching_its_manifest_is_rejected(
 ) -> None:
     layout = RunLayout(tmp_path / "replicas", "rank-00001")
     with pytest.raises(ReplicaRejected, match=needle):
-        publish_received(layout, _manifest(run, step, owner, b"abc"), [(STATE, payload)], "a1", "t", 10, 1)
+        publish_received(
+            layout, arrived(layout, ("t", 10, 1), _manifest(run, step, owner, b"abc"), {STATE: payload}), "t", 10, 1
+        )
     assert not layout.steps_dir.exists() or not any(layout.steps_dir.iterdir()), "nothing may be published"
 
 
 def test_replica_matching_its_manifest_is_committed(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path / "replicas", "rank-00001")
-    publish_received(layout, _manifest("t", 10, 1, b"abc"), [(STATE, b"abc")], "a1", "t", 10, 1)
+    publish_received(layout, arrived(layout, ("t", 10, 1), _manifest("t", 10, 1, b"abc"), {STATE: b"abc"}), "t", 10, 1)
     manifest = verify_step(layout.step_dir(10), expect_run_id="t")
     assert manifest.extra["owner_rank"] == 1
-    publish_received(layout, _manifest("t", 10, 1, b"abc"), [(STATE, b"abc")], "a2", "t", 10, 1)  # idempotent
+    again = arrived(layout, ("t", 10, 1), _manifest("t", 10, 1, b"abc"), {STATE: b"abc"}, attempt="a2")
+    publish_received(layout, again, "t", 10, 1)  # idempotent
+    assert not again.directory.exists(), "the second copy is dropped"
 
 
 # -- real multi-process runs ------------------------------------------------------------------

@@ -11,7 +11,6 @@ and are reported, so that the caller falls back to the reshardable tier.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,13 +23,15 @@ from tiering.layout import parse_step_name
 from tiering.posix import PosixTier
 from tiering.publish import publish_received
 from tiering.replication import primary_store, replica_store
-from tiering.transport import StepPayload, Transport
+from tiering.transport import OutgoingStep, Transport
 from tiering.verify import read_manifest
 
 log = logging.getLogger(__name__)
 
 # (kind, owner): kind is "primary" (ranks/) or "replica" (replicas/)
 StoreKey = tuple[str, int]
+# (owner, (node, kind) of the copy, one-line reason): a copy that failed verification
+CopyFailure = tuple[int, tuple[str, str], str]
 
 
 @dataclass
@@ -168,99 +169,93 @@ class PeerRecovery:
             plan = self._choose(copies, nodes)
             if plan is None:
                 return None
-            # Who verifies what: the owner reads a copy on its own node; otherwise the serving rank
-            # of the node that holds it verifies it before sending.
-            # A copy to send is verified while it is read into the payload (one pass), a copy on
-            # the owner's own node by reading it once (the load then maps the verified pages).
-            failures: list[tuple[int, tuple[str, str], str]] = []
-            outgoing: dict[int, StepPayload] = {}
-            for owner, (node, kind) in plan.items():
-                verifier = owner if node == nodes[owner] else serving[node]
-                if verifier != self.rank:
-                    continue
-                self.on_phase("verify")
-                store = self._store((kind, owner))
-                try:
-                    if verifier == owner:
-                        store.verify(step)
-                    else:
-                        header = {"run_id": self.run_id, "step": step, "owner": owner, "kind": "restore"}
-                        outgoing[owner] = StepPayload.from_step_dir(store.step_path(step), header, check=True)
-                except VerificationError as exc:
-                    failures.append((owner, (node, kind), str(exc)))
-                    store.quarantine(step, str(exc))
-            gathered = [f for part in self.coll.all_gather(failures) for f in part]
-            if not gathered:
-                break
-            for owner, copy, reason in gathered:
+            failures, outgoing = self._prepare(step, plan, nodes, serving)
+            if not failures:
+                restore, failures = self._execute(step, plan, outgoing, nodes, result, serving, t0)
+                if not failures:
+                    return restore
+            for owner, copy, reason in failures:
                 copies[owner] = [c for c in copies[owner] if tuple(c) != tuple(copy)]
                 result.rejected.append(reason)
                 if self.rank == 0:
                     log.error("tier 1-2 copy rejected: %s", reason)
-        return self._execute(step, plan, outgoing, nodes, result, serving, t0)
+
+    def _prepare(
+        self, step: int, plan: dict[int, tuple[str, str]], nodes: list[str], serving: dict[str, int]
+    ) -> tuple[list[CopyFailure], dict[int, OutgoingStep]]:
+        """Collective. The owner verifies a copy on its own node (the load then maps the verified
+        pages); the serving rank of another node checks the structure of a copy it will send (its
+        chunks are checked while it is read for sending). Every rank's failures, gathered."""
+        failures: list[CopyFailure] = []
+        outgoing: dict[int, OutgoingStep] = {}
+        for owner, (node, kind) in plan.items():
+            verifier = owner if node == nodes[owner] else serving[node]
+            if verifier != self.rank:
+                continue
+            self.on_phase("verify")
+            store = self._store((kind, owner))
+            try:
+                if verifier == owner:
+                    store.verify(step)
+                else:
+                    header = {"run_id": self.run_id, "step": step, "owner": owner, "kind": "restore"}
+                    outgoing[owner] = OutgoingStep.of(store.step_path(step), header, check=True)
+            except VerificationError as exc:
+                failures.append((owner, (node, kind), str(exc)))
+                store.quarantine(step, str(exc))
+        return [f for part in self.coll.all_gather(failures) for f in part], outgoing
 
     def _execute(
         self,
         step: int,
         plan: dict[int, tuple[str, str]],
-        outgoing: dict[int, StepPayload],
+        outgoing: dict[int, OutgoingStep],
         nodes: list[str],
         result: PeerPlanResult,
         serving: dict[str, int],
         t0: float,
-    ) -> PeerRestore | None:
-        """Send the verified payloads this rank serves, receive this rank's copy if it is on
-        another node (checked chunk by chunk as it arrives) and publish it as this rank's own."""
+    ) -> tuple[PeerRestore | None, list[CopyFailure]]:
+        """Collective. Stream the copies this rank serves (checked while read), receive this
+        rank's copy if it is on another node (checked as it arrives) and publish it as this rank's
+        own. A served copy that did not match is quarantined and reported, so that the plan is
+        redone without it; any other failure ends this step's attempt (None)."""
         node, kind = plan[self.rank]
-        incoming = [serving[node]] if node != self.node else []
-        if outgoing or incoming:
-            self.on_phase("transfer")
         mine = primary_store(self.node_root, self.rank, self.run_id, self.keep)
-        spill = {src: mine.layout.tmp_dir(step, self.attempt) for src in incoming}
-        for tmp in spill.values():
-            shutil.rmtree(tmp, ignore_errors=True)
-        received, errors = self.transport.exchange(dict(outgoing), incoming, spill)
-        error = None
-        path: Path | None = None
-        if incoming:
-            src = incoming[0]
-            if src in errors or src not in received:
-                shutil.rmtree(spill[src], ignore_errors=True)  # a partial copy is never published
-                error = (
-                    f"rank {self.rank}: fetching step {step} from rank {src} failed: {errors.get(src, 'nothing sent')}"
-                )
-            else:
-                payload = received[src]
-                store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
-                try:
-                    publish_received(
-                        store.layout,
-                        payload.manifest_raw,
-                        payload.files(),
-                        self.attempt,
-                        self.run_id,
-                        step,
-                        self.rank,
-                        checked=payload.checked,
-                        durable=False,  # a restore copy: the peer's copy stays
-                        spilled=payload.spilled,
-                    )
-                    path = store.step_path(step)
-                except (VerificationError, PublishError, OSError) as exc:
-                    shutil.rmtree(spill[src], ignore_errors=True)
-                    error = f"rank {self.rank}: copy of step {step} from rank {src} rejected: {exc}"
-        else:
-            path = self._store((kind, self.rank)).step_path(step)
-        errors_all = [e for e in self.coll.all_gather(error) if e]
+        into = {serving[node]: mine.layout.tmp_dir(step, self.attempt)} if node != self.node else {}
+        if outgoing or into:
+            self.on_phase("transfer")
+        received, errors = self.transport.exchange(dict(outgoing), into)
+        bad_sent: list[CopyFailure] = []
+        for owner, payload in outgoing.items():
+            if payload.failure is not None:
+                bad_sent.append((owner, plan[owner], payload.failure))
+                self._store((plan[owner][1], owner)).quarantine(step, payload.failure)
+        error, path = None, self._store((kind, self.rank)).step_path(step)
+        for src in into:
+            got = received.get(src)
+            if got is None:
+                why = errors.get(src, "nothing sent")
+                error = f"rank {self.rank}: fetching step {step} from rank {src} failed: {why}"
+                continue
+            try:
+                # A restore copy: not fsynced, the peer's copy stays (see publish_dir).
+                publish_received(mine.layout, got, self.run_id, step, self.rank, durable=False)
+                path = mine.step_path(step)
+            except (VerificationError, PublishError, OSError) as exc:
+                error = f"rank {self.rank}: copy of step {step} from rank {src} rejected: {exc}"
+        gathered = self.coll.all_gather((error, bad_sent))
+        sent_failures = [f for _, part in gathered for f in part]
+        errors_all = [e for e, _ in gathered if e]
+        if sent_failures:
+            return None, sent_failures  # a served copy was bad: the plan is redone without it
         if errors_all:
             result.rejected.extend(errors_all)
             if self.rank == 0:
                 log.error("tier 1-2 restore of step %d failed: %s", step, errors_all[0])
-            return None
-        assert path is not None
+            return None, []
         own = kind == "primary" and node == self.node
         source = f"{node}:{kind}" + ("" if node == self.node else f" via rank {serving[node]}")
-        return PeerRestore(step, path, "local" if own else "peer", source, time.perf_counter() - t0)
+        return PeerRestore(step, path, "local" if own else "peer", source, time.perf_counter() - t0), []
 
 
 def owner_of(path: Path) -> int | None:

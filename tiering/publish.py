@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from tiering.collective import Collective
-from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec, StreamChecker, hash_bytes, hash_file
-from tiering.errors import PublishError, ReplicaRejected
+from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec, hash_file
+from tiering.errors import PublishError, ReplicaRejected, VerificationError
 from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
-from tiering.verify import committed_marker
+from tiering.transport import ReceivedStep
+from tiering.verify import committed_marker, verify_file
 
 log = logging.getLogger(__name__)
 
@@ -184,92 +185,86 @@ def _list_files(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _check_received(manifest: Manifest, files: list[tuple[str, bytes | memoryview]]) -> tuple[str, str] | None:
-    """Files already in memory: v2 chunks on two threads, v1 whole (SHA-256); the first failure."""
-    listed = {f.path: f for f in manifest.files}
-    for rel, data in files:
-        expected = listed[rel].chunked
-        if expected is None:
-            same = hash_bytes("sha256", data) == listed[rel].sha256
-            bad = None if same else (rel, "bytes do not match the manifest's SHA-256")
-        else:
-            bad = StreamChecker(memoryview(data).cast("B"), [(rel, expected)]).result()
-        if bad is not None:
-            return bad
-    return None
-
-
 def manifest_for(run_id: str, step: int, world_size: int, parallelism: dict[str, int], **fields: Any) -> Manifest:
     return Manifest(run_id=run_id, step=step, world_size=world_size, parallelism=parallelism, files=[], **fields)
 
 
 def publish_received(
     layout: RunLayout,
-    manifest_raw: bytes,
-    files: list[tuple[str, bytes | memoryview]],
-    attempt: str,
+    received: ReceivedStep,
     expect_run_id: str,
     expect_step: int,
     expect_owner: int | None = None,
-    checked: StreamChecker | None = None,
     durable: bool = True,
-    spilled: Path | None = None,
 ) -> Manifest:
     """Publish a step received from another rank, byte for byte under the owner's manifest.
 
-    Sizes and digests of every received file are checked against the manifest (and the manifest
-    against the run, step and owner the sender claims) before anything is published; a mismatch
-    raises :class:`ReplicaRejected` naming the file and chunk, and nothing is written. ``checked``:
-    the chunks were already checked as they arrived (by the transport, against this manifest), so
-    nothing is hashed a second time here. ``durable``: see :func:`publish_dir`. ``spilled``: the
-    transport already wrote the files there as they arrived (this rank's temporary directory).
+    ``received.directory`` (in ``layout.steps_dir``) holds the files as they arrived. The header
+    and the manifest must name the run, step and owner expected, every file must be listed with
+    its size, and every chunk must match: files checked on arrival by the transport are not
+    hashed again, others (format v1) are checked on disk now. A mismatch raises
+    :class:`ReplicaRejected` naming the file (and chunk) and removes the directory: nothing is
+    published. ``durable``: see :func:`publish_dir`.
     """
     final = layout.step_dir(expect_step)
+    try:
+        manifest = _check_received(received, final, expect_run_id, expect_step, expect_owner)
+        if final.exists():
+            if (final / COMMITTED_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == received.manifest_raw:
+                shutil.rmtree(received.directory, ignore_errors=True)
+                return manifest  # already here, identical: idempotent
+            raise PublishError(f"{final}: a different step is already published here; refusing to overwrite")
+        if received.directory.parent != layout.steps_dir:
+            raise PublishError(f"{received.directory}: not in {layout.steps_dir}, cannot be renamed into place")
+        with open(received.directory / MANIFEST_NAME, "xb") as fh:
+            fh.write(received.manifest_raw)
+        publish_dir(layout, received.directory, expect_step, received.manifest_raw, durable)
+    except BaseException:
+        shutil.rmtree(received.directory, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_received(received: ReceivedStep, final: Path, run_id: str, step: int, owner: int | None) -> Manifest:
+    """Header, manifest, file list, sizes and every chunk of a received step; the manifest."""
     where = final / MANIFEST_NAME
-    manifest = Manifest.from_json(manifest_raw, where)
-    if manifest.run_id != expect_run_id:
-        raise ReplicaRejected(
-            where, f"replica belongs to run {manifest.run_id!r}, expected {expect_run_id!r}", "the replica is discarded"
-        )
-    if manifest.step != expect_step:
-        raise ReplicaRejected(
-            where, f"replica manifest is for step {manifest.step}, expected {expect_step}", "the replica is discarded"
-        )
-    if expect_owner is not None and manifest.extra.get("owner_rank") != expect_owner:
+    head = received.header
+    claimed = (head.get("run_id"), head.get("step"), head.get("owner") if owner is not None else None)
+    if claimed != (run_id, step, owner):
         raise ReplicaRejected(
             where,
-            f"replica manifest is owned by rank {manifest.extra.get('owner_rank')}, expected {expect_owner}",
+            f"sender claims run {claimed[0]!r} step {claimed[1]} owner {head.get('owner')}, "
+            f"expected {run_id!r} step {step} owner {owner}",
             "the replica is discarded",
         )
+    manifest = Manifest.from_json(received.manifest_raw, where)
+    claims = [
+        (manifest.run_id == run_id, f"replica belongs to run {manifest.run_id!r}, expected {run_id!r}"),
+        (manifest.step == step, f"replica manifest is for step {manifest.step}, expected {step}"),
+        (
+            owner is None or manifest.extra.get("owner_rank") == owner,
+            f"replica manifest is owned by rank {manifest.extra.get('owner_rank')}, expected {owner}",
+        ),
+    ]
+    for ok, reason in claims:
+        if not ok:
+            raise ReplicaRejected(where, reason, "the replica is discarded")
     listed = {f.path: f for f in manifest.files}
-    received = dict(files)
-    if set(listed) != set(received):
-        missing = sorted(set(listed) ^ set(received))
+    sizes = dict(received.names)
+    if set(listed) != set(sizes):
+        missing = sorted(set(listed) ^ set(sizes))
         raise ReplicaRejected(final / missing[0], "received files differ from the manifest", "the replica is discarded")
-    for rel, data in received.items():
+    for rel, size in sizes.items():
         check_relative_path(rel, where)
-        if len(data) != listed[rel].bytes:
+        if size != listed[rel].bytes or (received.directory / rel).stat().st_size != size:
             raise ReplicaRejected(final / rel, "received size differs from the manifest", "the replica is discarded")
-    bad = checked.result() if checked is not None else _check_received(manifest, files)
-    if bad is not None:
-        raise ReplicaRejected(final / bad[0], f"received {bad[1]}", "the replica is discarded")
-    if final.exists():
-        if (final / COMMITTED_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == manifest_raw:
-            return manifest  # already here, identical: idempotent
-        raise PublishError(f"{final}: a different step is already published here; refusing to overwrite")
-    tmp = layout.tmp_dir(expect_step, attempt)
-    if tmp.exists() and tmp != spilled:
-        shutil.rmtree(tmp)
-    try:
-        for rel, data in received.items() if tmp != spilled else ():
-            path = tmp / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "xb") as fh:
-                fh.write(data)
-        with open(tmp / MANIFEST_NAME, "xb") as fh:
-            fh.write(manifest_raw)
-        publish_dir(layout, tmp, expect_step, manifest_raw, durable)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if received.mismatch is not None:
+        rel, reason = received.mismatch
+        raise ReplicaRejected(final / rel, f"received {reason}", "the replica is discarded")
+    for rel, entry in listed.items():
+        if rel not in received.checked:
+            try:
+                verify_file(received.directory / rel, entry)
+            except VerificationError as exc:
+                raise ReplicaRejected(final / rel, f"received {exc.reason}", "the replica is discarded") from exc
     return manifest

@@ -20,7 +20,7 @@ from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.posix import PosixTier
 from tiering.publish import publish_received
-from tiering.transport import StepPayload, Transport
+from tiering.transport import OutgoingStep, ReceivedStep, Transport
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,10 @@ class PeerReplicator:
         payload = None
         if published is not None:
             header = {"run_id": self.run_id, "step": step, "owner": self.rank, "kind": "replica"}
-            payload = StepPayload.from_step_dir(published, header)
-        outgoing = {holder: payload for holder in self.holders.get(self.rank, [])}
-        received, errors = self.transport.exchange(outgoing, self.owners_held)
+            payload = OutgoingStep.of(published, header)
+        outgoing: dict[int, OutgoingStep | None] = {holder: payload for holder in self.holders.get(self.rank, [])}
+        into = {owner: self._store(owner).layout.tmp_dir(step, self.attempt) for owner in self.owners_held}
+        received, errors = self.transport.exchange(outgoing, into)
         outcomes: dict[int, str] = {}
         for owner in self.owners_held:
             if owner in errors:
@@ -95,32 +96,17 @@ class PeerReplicator:
                     report.failures.setdefault(int(owner), outcome)
         report.under_replicated = sorted(report.failures)
         for owner in self.owners_held:
-            replica_store(self.node_root, owner, self.run_id, self.keep).apply_retention()
+            self._store(owner).apply_retention()
         return report
 
-    def _accept(self, owner: int, step: int, payload: StepPayload) -> str:
+    def _store(self, owner: int) -> PosixTier:
+        return replica_store(self.node_root, owner, self.run_id, self.keep)
+
+    def _accept(self, owner: int, step: int, received: ReceivedStep) -> str:
         try:
-            head = payload.header
-            if head.get("run_id") != self.run_id or head.get("step") != step or head.get("owner") != owner:
-                raise VerificationError(
-                    f"replicas/rank-{owner:05d}",
-                    f"replica header claims run {head.get('run_id')!r} step "
-                    f"{head.get('step')} owner {head.get('owner')}, expected {self.run_id!r} step {step} owner {owner}",
-                    "the replica is discarded",
-                )
             if self.before_accept is not None:
                 self.before_accept(owner, step)
-            store = replica_store(self.node_root, owner, self.run_id, self.keep)
-            publish_received(
-                store.layout,
-                payload.manifest_raw,
-                payload.files(),
-                self.attempt,
-                self.run_id,
-                step,
-                owner,
-                checked=payload.checked,
-            )
+            publish_received(self._store(owner).layout, received, self.run_id, step, owner)
             return "ok"
         except (VerificationError, PublishError, OSError, ValueError) as exc:
             log.error("replica of rank %d step %d rejected: %s", owner, step, exc)

@@ -1,13 +1,22 @@
-"""Moving step files between ranks over torch.distributed with bounded waits.
+"""Moving step files between ranks over torch.distributed: streamed, checked on both ends, bounded.
 
 A step travels as a JSON header (owner, step, run id, the owner's exact ``manifest.json`` bytes,
-file names and sizes) and one contiguous byte tensor holding every file. Files are read straight
-into that tensor and received into one preallocated tensor, so the bytes are not copied on the
-way. The receiver checks each digest chunk as soon as it has arrived (:class:`StreamChecker`,
-against the manifest in the header), while the rest is still on the wire: nothing is hashed again
-before the replica is committed. Every pair of ranks that may talk exchanges sizes first (0 means
-"nothing this time"), so a rank whose save failed never leaves its peer waiting. Every wait has a
-timeout: a dead or hung peer costs at most ``timeout_s``, never a hang.
+file names, sizes and piece sizes), then its files in pieces of whole digest chunks (~64 MiB), then
+a trailer word from the sender (-1, or the file it could not read as its manifest lists it).
+
+* The sender reads a piece into one of ``SEND_SLOTS`` reused buffers and hands it to the wire, then
+  reads the next while it travels: the disk and the network work at once, and its memory is a few
+  pieces whatever the step's size. With ``check`` it verifies every chunk as it is read (one pass),
+  so that a bad copy is named by the rank that holds it.
+* The receiver, on a thread of its own, takes each piece into one of a few reused buffers, checks
+  its chunks there against the manifest in the header while writing it into its file (``pwrite``
+  into a file whose space was reserved up front, so a full disk fails before any byte arrives),
+  and reposts the buffer for a later piece. Nothing is read back or hashed again before the copy is
+  committed; nothing received is published or trusted here (:func:`tiering.publish.publish_received`).
+
+Every pair of ranks that may talk exchanges header sizes first (0 means "nothing this time"), so a
+rank whose save failed never leaves its peer waiting, and a receiver that cannot write still drains
+what it is sent. Every wait has a timeout: a dead or hung peer costs at most ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,6 +24,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,187 +35,316 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tiering.digest import ChunkedDigest, StreamChecker
+from tiering.digest import ChunkChecker, ChunkedDigest, ChunkFailure
 from tiering.errors import VerificationError
 from tiering.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from tiering.verify import verify_step
 
-CHUNK = 64 * 1024 * 1024
+PIECE = 64 * 1024 * 1024  # bytes per message, rounded to whole digest chunks
+SEND_SLOTS = 3  # pieces a sender has in memory: one being read, two on the wire
+TAG_SIZE, TAG_HEAD, TAG_DATA = 1, 2, 3
+
+# (file index, start in the file, length): the unit of the wire, in order
+Piece = tuple[int, int, int]
+
+
+def piece_bytes(chunk_bytes: int, piece: int = PIECE) -> int:
+    """Whole chunks per piece (``chunk_bytes`` 0: no chunks), so that the sender can check a
+    piece from its own buffer."""
+    return chunk_bytes * max(1, piece // chunk_bytes) if chunk_bytes else piece
+
+
+def plan_pieces(files: list[tuple[str, int, int]]) -> list[Piece]:
+    """Every piece of ``(path, size, piece bytes)`` files, in wire order (sender and receiver alike)."""
+    return [
+        (i, start, min(step, size - start)) for i, (_, size, step) in enumerate(files) for start in range(0, size, step)
+    ]
 
 
 @dataclass
-class StepPayload:
+class OutgoingStep:
+    """A published step to send; read piece by piece while it is sent. ``failure`` is set by the
+    send when a file could not be read as its manifest lists it (short, unreadable, or a chunk
+    that does not match): the copy here is bad, quarantine it. The receiver is told too."""
+
+    step_dir: Path
     header: dict[str, Any]
     manifest_raw: bytes
-    names: list[tuple[str, int]]  # (relative path, size) in data order
-    data: torch.Tensor  # uint8, every file back to back
-    checked: StreamChecker | None = None  # set on a received payload whose chunks were checked on arrival
-    spilled: Path | None = None  # set on a received payload already written there as it arrived
+    names: list[tuple[str, int]]  # (relative path, size) in wire order
+    chunk_bytes: list[int]  # per file (0: format v1, no chunks)
+    expected: list[ChunkedDigest | None]  # per file: chunks to check while reading (None: not checked)
+    failure: str | None = None
+    failed_file: int = -1  # index of the file ``failure`` names
+
+    def fail(self, index: int, reason: str) -> None:
+        if self.failure is None:
+            self.failure, self.failed_file = f"{self.step_dir / self.names[index][0]}: {reason}", index
 
     @classmethod
-    def from_step_dir(cls, step_dir: Path, header: dict[str, Any], check: bool = False) -> StepPayload:
-        """Read a step's files into one tensor. ``check``: verify the step while reading it (its
-        structure first, then every chunk as soon as it is in memory, on two threads), so a copy
-        is read and hashed in one pass before it is sent; raises VerificationError."""
+    def of(cls, step_dir: Path, header: dict[str, Any], check: bool = False) -> OutgoingStep:
+        """``check``: verify the step's structure now and every chunk while it is read for sending
+        (format v1 files, which have no chunk list, are verified whole now); raises VerificationError."""
         if check:
             verify_step(step_dir, hash_files=False)
         raw = (step_dir / MANIFEST_NAME).read_bytes()
         manifest = Manifest.from_json(raw, step_dir / MANIFEST_NAME)
+        if check and any(f.chunked is None for f in manifest.files):
+            verify_step(step_dir)
         names = [(f.path, f.bytes) for f in manifest.files]
-        data = torch.empty(sum(size for _, size in names), dtype=torch.uint8)
-        view = memoryview(data.numpy()).cast("B")
-        chunked = [(f.path, f.chunked) for f in manifest.files]
-        checker = None
-        if check and all(c is not None for _, c in chunked):
-            checker = StreamChecker(view, [(rel, c) for rel, c in chunked if c is not None])
-        offset = 0
-        for rel, size in names:
-            with open(step_dir / rel, "rb", buffering=0) as fh:
-                got = 0
-                while got < size:
-                    n = fh.readinto(view[offset + got : offset + min(size, got + CHUNK)])
-                    if not n:
-                        raise OSError(f"{step_dir / rel}: shorter than its manifest entry")
-                    got += n
-                    if checker is not None:
-                        checker.arrived(offset + got)
-            offset += size
-        if checker is not None:
-            bad = checker.result()
-            if bad is not None:
-                raise VerificationError(step_dir / bad[0], bad[1])
-        elif check:
-            verify_step(step_dir)  # format v1: whole-file SHA-256 (from the page cache now)
-        return cls(header, raw, names, data)
+        expected = [f.chunked if check else None for f in manifest.files]
+        return cls(step_dir, header, raw, names, [f.chunk_bytes for f in manifest.files], expected)
 
-    def files(self) -> list[tuple[str, memoryview]]:
-        view = memoryview(self.data.numpy())
-        out, offset = [], 0
-        for rel, size in self.names:
-            out.append((rel, view[offset : offset + size]))
-            offset += size
-        return out
+    def wire_files(self, piece: int) -> list[tuple[str, int, int]]:
+        """``(relative path, size, piece bytes)`` per file, as the header lists them."""
+        sizes = zip(self.names, self.chunk_bytes, strict=True)
+        return [(rel, size, piece_bytes(chunk, piece)) for (rel, size), chunk in sizes]
 
-    def header_bytes(self) -> bytes:
-        return json.dumps({**self.header, "manifest": self.manifest_raw.decode("utf-8"), "files": self.names}).encode()
+    def header_bytes(self, piece: int) -> bytes:
+        body = {**self.header, "manifest": self.manifest_raw.decode("utf-8"), "files": self.wire_files(piece)}
+        return json.dumps(body).encode()
 
-    @classmethod
-    def from_wire(cls, header_raw: bytes, data: torch.Tensor) -> StepPayload:
-        head = json.loads(header_raw.decode("utf-8"))
-        names = [(str(n), int(s)) for n, s in head.pop("files")]
-        if sum(s for _, s in names) != data.numel():
-            raise ValueError(f"payload has {data.numel()} bytes, its header lists {sum(s for _, s in names)}")
-        return cls(head, head.pop("manifest").encode("utf-8"), names, data)
+
+@dataclass
+class ReceivedStep:
+    """A step's files as they arrived from a peer, in ``directory`` (not published, not trusted)."""
+
+    header: dict[str, Any]
+    manifest_raw: bytes
+    directory: Path
+    names: list[tuple[str, int]]  # (relative path, size)
+    checked: frozenset[str] = frozenset()  # files whose every chunk was checked on arrival
+    mismatch: ChunkFailure | None = None  # the first chunk that did not match, if any
+
+
+class _Incoming:
+    """One peer's step being received on its own thread: each piece lands in one of a few reused
+    buffers, its chunks are checked there while it is written into its file (``pwrite``: the
+    page cache is filled by the kernel, not by page faults), and the buffer takes the next piece.
+
+    A receiver that cannot create its files (a full disk) still receives every piece, writing
+    nothing, so that its sender is drained and never waits for a timeout."""
+
+    def __init__(
+        self,
+        src: int,
+        head: dict[str, Any],
+        directory: Path,
+        expected: list[ChunkedDigest | None],
+        slots: list[torch.Tensor],
+    ) -> None:
+        self.src = src
+        self.head = head
+        self.directory = directory
+        self.files: list[tuple[str, int, int]] = head["files"]
+        self.expected = expected
+        self.error: str | None = None  # why this copy is not kept (set before finish)
+        self._slots = slots
+        self._fds: list[int] = []
+        self._checker = ChunkChecker()
+        self._mismatch: ChunkFailure | None = None
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> None:
+        """Create the files with their space reserved (``posix_fallocate``: a full disk fails
+        here, before any byte arrives); on failure the error is kept and the copy only drained."""
+        try:
+            if self.directory.exists():
+                shutil.rmtree(self.directory)  # a leftover of an interrupted receive under this name
+            self.directory.mkdir(parents=True)
+            for rel, size, _ in self.files:
+                check_relative_path(rel, self.directory)
+                path = self.directory / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                if size:
+                    os.posix_fallocate(self._fds[-1], 0, size)
+        except (OSError, VerificationError) as exc:
+            self.error = f"writing the received copy failed: {exc}"
+
+    def start(self, group: Any, timeout: datetime.timedelta) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(group, timeout), name=f"receive-from-{self.src}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, group: Any, timeout: datetime.timedelta) -> None:
+        pieces = plan_pieces(self.files)
+        n = len(self._slots)
+        works: dict[int, Any] = {}
+        try:
+            for i in range(min(n, len(pieces))):
+                works[i] = self._post(group, pieces[i], i)
+            for i, (index, start, length) in enumerate(pieces):
+                if not works.pop(i).wait(timeout):
+                    raise TimeoutError(f"timed out after {timeout.total_seconds():.0f}s")
+                view = memoryview(self._slots[i % n][:length].numpy())
+                self._land(index, start, view)
+                if i + n < len(pieces):
+                    works[i + n] = self._post(group, pieces[i + n], i + n)
+            word = torch.zeros(1, dtype=torch.int64)
+            if not dist.irecv(word, src=self.src, group=group, tag=TAG_DATA + len(pieces)).wait(timeout):
+                raise TimeoutError(f"timed out after {timeout.total_seconds():.0f}s")
+            if (bad := int(word.item())) >= 0 and self._mismatch is None:
+                # The sender could not read that file as listed: whatever arrived for it is not the copy.
+                name = self.files[bad][0] if bad < len(self.files) else "?"
+                self._mismatch = (name, "the sender could not read it as its manifest lists it (damaged there)")
+        except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
+            self.error = _one_line(exc, timeout)
+
+    def _post(self, group: Any, piece: Piece, number: int) -> Any:
+        into = self._slots[number % len(self._slots)][: piece[2]]
+        return dist.irecv(into, src=self.src, group=group, tag=TAG_DATA + number)
+
+    def _land(self, index: int, start: int, view: memoryview) -> None:
+        """Check the piece's chunks and write it at its offset; its buffer is free on return."""
+        expected = self.expected[index] if self.error is None else None
+        checks = self._checker.check_span(self.files[index][0], expected, start, view) if expected else []
+        if self.error is None:
+            try:
+                _write_at(self._fds[index], view, start)
+            except OSError as exc:
+                self.error = f"writing the received copy failed: {exc}"
+        for fut in checks:
+            if (bad := fut.result()) is not None and self._mismatch is None:
+                self._mismatch = bad
+
+    def finish(self, errors: dict[int, str]) -> ReceivedStep | None:
+        """Wait for the receive; the step, or None (the reason in ``errors``, nothing left on disk)."""
+        if self._thread is not None:
+            self._thread.join()
+        self._checker.result()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self.src in errors or self.error is not None:
+            errors.setdefault(self.src, self.error or "")
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return None
+        checked = frozenset(rel for (rel, _, _), exp in zip(self.files, self.expected, strict=True) if exp is not None)
+        names = [(rel, size) for rel, size, _ in self.files]
+        manifest_raw = str(self.head.get("manifest", "")).encode("utf-8")
+        header = {k: v for k, v in self.head.items() if k not in ("manifest", "files")}
+        return ReceivedStep(header, manifest_raw, self.directory, names, checked, self._mismatch)
 
 
 class Transport:
     """Point-to-point step exchange on a (gloo) process group that contains every rank."""
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
+    def __init__(self, group: Any, timeout_s: float, piece: int = PIECE) -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.piece = piece  # bytes per message (the sender's choice travels in the header)
+        # Piece buffers, kept from one exchange to the next (allocated and faulted in once):
+        # one set to send from, one per peer received from at once.
+        self._buffers: dict[str, list[torch.Tensor]] = {}
 
     def exchange(
         self,
-        outgoing: dict[int, StepPayload | None],
-        incoming: list[int],
-        spill_to: dict[int, Path] | None = None,
-    ) -> tuple[dict[int, StepPayload], dict[int, str]]:
-        """Send a payload (or None: nothing) to each peer in ``outgoing``; receive from each in ``incoming``.
+        outgoing: dict[int, OutgoingStep | None],
+        incoming: dict[int, Path],
+    ) -> tuple[dict[int, ReceivedStep], dict[int, str]]:
+        """Send a step (or None: nothing) to each peer in ``outgoing``; receive from each peer in
+        ``incoming`` into the (new) directory named for it.
 
-        Returns the payloads received (peers that sent nothing are absent) and one error line per
-        peer that failed or timed out. ``spill_to[src]``: also write what ``src`` sends, as it
-        arrives, into its files under that (new) directory, so that writing overlaps receiving
-        (the payload's ``spilled`` names it; nothing there is published or trusted yet).
+        Returns the steps received (peers that sent nothing are absent) and one error line per peer
+        that failed, timed out, or whose copy could not be written here. A payload that could not
+        be read as its manifest lists it has its ``failure`` set (it was sent anyway and its
+        receiver told, so that nobody waits for a timeout).
         """
         errors: dict[int, str] = {}
-        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in incoming}
-        heads = {dst: p.header_bytes() if p is not None else b"" for dst, p in outgoing.items()}
-        works = [(src, dist.irecv(sizes[src], src=src, group=self.group, tag=1)) for src in incoming]
-        for dst, payload in outgoing.items():
-            size = torch.tensor([len(heads[dst]), payload.data.numel() if payload is not None else 0])
-            works.append((dst, dist.isend(size, dst=dst, group=self.group, tag=1)))
+        heads = self._exchange_headers(outgoing, list(incoming), errors)
+        receiving = []
+        for n, (src, head) in enumerate(heads.items()):
+            slots = self._slots(f"receive-{n}", max((min(size, p) for _, size, p in head["files"]), default=0))
+            rx = _Incoming(src, head, incoming[src], _expected_digests(head), slots)
+            rx.open()
+            rx.start(self.group, self.timeout)
+            receiving.append(rx)
+        for payload, dsts in _group_by_payload(outgoing, errors):
+            self._stream(payload, dsts, errors)
+        received = {rx.src: step for rx in receiving if (step := rx.finish(errors)) is not None}
+        return received, errors
+
+    def _exchange_headers(
+        self, outgoing: dict[int, OutgoingStep | None], incoming: list[int], errors: dict[int, str]
+    ) -> dict[int, dict[str, Any]]:
+        """Header sizes, then headers: what each peer will send (absent: nothing)."""
+        sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+        blobs = {dst: p.header_bytes(self.piece) if p is not None else b"" for dst, p in outgoing.items()}
+        works = [(src, dist.irecv(sizes[src], src=src, group=self.group, tag=TAG_SIZE)) for src in incoming]
+        for dst, blob in blobs.items():
+            works.append((dst, dist.isend(torch.tensor([len(blob)]), dst=dst, group=self.group, tag=TAG_SIZE)))
         self._wait(works, errors)
-
-        recv_head: dict[int, torch.Tensor] = {}
-        recv_data: dict[int, torch.Tensor] = {}
-        pieces: dict[int, list[tuple[int, Any]]] = {}  # src -> [(end offset, work)] in data order
-        head_works: dict[int, Any] = {}
-        for src in incoming:
-            head_len, data_len = (int(x) for x in sizes[src].tolist())
-            if src in errors or head_len == 0:
-                continue
-            recv_head[src] = torch.empty(head_len, dtype=torch.uint8)
-            recv_data[src] = torch.empty(data_len, dtype=torch.uint8)
-            head_works[src] = (recv_head[src], dist.irecv(recv_head[src], src=src, group=self.group, tag=2))
-            pieces[src] = [
-                (int(chunk.storage_offset()) + chunk.numel(), dist.irecv(chunk, src=src, group=self.group, tag=3 + i))
-                for i, chunk in enumerate(_chunks(recv_data[src]))
-            ]
-        sends = []
-        for dst, payload in outgoing.items():
-            if payload is None or dst in errors:
-                continue
-            head = torch.frombuffer(bytearray(heads[dst]), dtype=torch.uint8)
-            sends.append((dst, dist.isend(head, dst=dst, group=self.group, tag=2)))
-            sends += [
-                (dst, dist.isend(chunk, dst=dst, group=self.group, tag=3 + i))
-                for i, chunk in enumerate(_chunks(payload.data))
-            ]
-        spills = {src: _Spill(spill_to[src]) if spill_to and src in spill_to else None for src in recv_head}
-        checkers = {
-            src: self._receive(src, head_works[src], recv_data[src], pieces[src], errors, spills[src])
-            for src in recv_head
-        }
-        self._wait(sends, errors)
-
-        received = {}
-        for src in recv_head:
+        recv = {src: torch.empty(int(sizes[src].item()), dtype=torch.uint8) for src in incoming if src not in errors}
+        recv = {src: t for src, t in recv.items() if t.numel()}
+        works = [(src, dist.irecv(t, src=src, group=self.group, tag=TAG_HEAD)) for src, t in recv.items()]
+        for dst, blob in blobs.items():
+            if blob and dst not in errors:
+                tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                works.append((dst, dist.isend(tensor, dst=dst, group=self.group, tag=TAG_HEAD)))
+        self._wait(works, errors)
+        heads: dict[int, dict[str, Any]] = {}
+        for src, tensor in recv.items():
             if src in errors:
                 continue
             try:
-                received[src] = StepPayload.from_wire(recv_head[src].numpy().tobytes(), recv_data[src])
-                received[src].checked = checkers[src]
-                spill = spills[src]
-                received[src].spilled = spill.root if spill is not None and spill.complete else None
-            except (ValueError, KeyError, UnicodeDecodeError) as exc:
-                errors[src] = f"malformed payload: {exc}"
-        return received, errors
+                heads[src] = json.loads(tensor.numpy().tobytes().decode("utf-8"))
+                heads[src]["files"] = [(str(n), int(s), int(p)) for n, s, p in heads[src]["files"]]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                errors[src] = f"malformed header: {exc}"  # the pieces cannot be planned: nothing is posted
+        return heads
 
-    def _receive(
-        self,
-        src: int,
-        head_work: tuple[torch.Tensor, Any],
-        data: torch.Tensor,
-        pieces: list[tuple[int, Any]],
-        errors: dict[int, str],
-        spill: _Spill | None,
-    ) -> StreamChecker | None:
-        """Wait for one peer's header, then its data pieces in order, checking every digest chunk
-        and writing (``spill``) every piece that is complete while the next piece arrives."""
-        head, work = head_work
-        self._wait([(src, work)], errors)
-        checker = None if src in errors else _checker_for(head, data)
-        view = memoryview(data.numpy()).cast("B")
+    def _stream(self, payload: OutgoingStep, dsts: list[int], errors: dict[int, str]) -> None:
+        """Read, check and send ``payload`` piece by piece to ``dsts``, keeping ``SEND_SLOTS``
+        pieces in flight, then the trailer word (-1, or the file that could not be read)."""
+        files = payload.wire_files(self.piece)
+        slots = self._slots("send", max((min(size, p) for _, size, p in files), default=0))
+        checker = ChunkChecker()
+        inflight: list[tuple[list[tuple[int, Any]], list[Future[ChunkFailure | None]]]] = [([], [])] * SEND_SLOTS
+        fds = [_open_or_fail(payload, i) for i in range(len(payload.names))]
         try:
-            if spill is not None and src not in errors:
-                spill.open(head)
-            for end, work in pieces:
-                self._wait([(src, work)], errors)
-                if src in errors:
-                    return None
-                if checker is not None:
-                    checker.arrived(end)
-                if spill is not None:
-                    spill.write(view, end)
-        except (OSError, ValueError, KeyError, VerificationError) as exc:
-            errors[src] = f"writing the received copy failed: {exc}"
+            for n, (tag, (index, start, length)) in enumerate(_tagged(plan_pieces(files))):
+                if all(dst in errors for dst in dsts):
+                    break  # nobody left to send to
+                slot = n % SEND_SLOTS
+                works, checks = inflight[slot]
+                self._wait(works, errors)  # the buffer is free once it is on the wire and checked
+                for fut in checks:
+                    fut.result()
+                buf = slots[slot][:length]
+                view = memoryview(buf.numpy())
+                if _read_into(fds[index], view, start) < length:
+                    # sent anyway (the trailer tells the receiver), so that no receiver waits for a timeout
+                    payload.fail(index, "shorter than its manifest entry")
+                expected = payload.expected[index]
+                checks = checker.check_span(files[index][0], expected, start, view) if expected else []
+                works = [
+                    (dst, dist.isend(buf, dst=dst, group=self.group, tag=tag)) for dst in dsts if dst not in errors
+                ]
+                inflight[slot] = (works, checks)
+            for works, _ in inflight:
+                self._wait(works, errors)
         finally:
-            if spill is not None:
-                spill.close()
-        return checker
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+            bad = checker.result()
+        if bad is not None:
+            payload.fail([rel for rel, _ in payload.names].index(bad[0]), f"{bad[1]}; the copy is quarantined")
+        word = torch.tensor([payload.failed_file], dtype=torch.int64)
+        tag = TAG_DATA + len(plan_pieces(files))
+        self._wait(
+            [(dst, dist.isend(word, dst=dst, group=self.group, tag=tag)) for dst in dsts if dst not in errors], errors
+        )
+
+    def _slots(self, key: str, size: int) -> list[torch.Tensor]:
+        have = self._buffers.get(key)
+        if have is None or have[0].numel() < size:
+            have = self._buffers[key] = [torch.empty(max(size, 1), dtype=torch.uint8) for _ in range(SEND_SLOTS)]
+        return have
 
     def _wait(self, works: list[tuple[int, Any]], errors: dict[int, str]) -> None:
+        """Wait for each work within the timeout; a peer that fails or times out gets its error."""
         for peer, work in works:
             if peer in errors:
                 continue
@@ -210,64 +352,73 @@ class Transport:
                 if not work.wait(self.timeout):
                     errors[peer] = f"timed out after {self.timeout.total_seconds():.0f}s"
             except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
-                errors[peer] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                errors[peer] = _one_line(exc, self.timeout)
 
 
-class _Spill:
-    """Writes a received payload into its files under ``root`` as the pieces arrive."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._files: list[tuple[int, int, int]] = []  # (start offset, size, fd)
-        self._done = 0
-        self._total = -1
-        self.complete = False
-
-    def open(self, head: torch.Tensor) -> None:
-        body = json.loads(head.numpy().tobytes().decode("utf-8"))
-        offset = 0
-        for rel, size in ((str(n), int(s)) for n, s in body["files"]):
-            check_relative_path(rel, self.root)
-            path = self.root / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._files.append((offset, size, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)))
-            offset += size
-        self._total = offset
-
-    def write(self, view: memoryview, upto: int) -> None:
-        for start, size, fd in self._files:
-            lo, hi = max(start, self._done), min(start + size, upto)
-            if lo < hi:
-                os.pwrite(fd, view[lo:hi], lo - start)
-        self._done = upto
-        self.complete = upto >= self._total
-
-    def close(self) -> None:
-        for _, _, fd in self._files:
-            os.close(fd)
-        self._files = []
+def _group_by_payload(
+    outgoing: dict[int, OutgoingStep | None], errors: dict[int, str]
+) -> Iterator[tuple[OutgoingStep, list[int]]]:
+    """Each distinct payload once, with every peer it goes to (a step replicated to two holders is
+    read from disk once)."""
+    groups: dict[int, tuple[OutgoingStep, list[int]]] = {}
+    for dst, payload in outgoing.items():
+        if payload is not None and dst not in errors:
+            groups.setdefault(id(payload), (payload, []))[1].append(dst)
+    yield from groups.values()
 
 
-def _checker_for(head: torch.Tensor, data: torch.Tensor) -> StreamChecker | None:
-    """A checker for a payload whose header lists chunked (v2) digests for exactly its files, in
-    data order; otherwise None (the receiver then checks the whole files before committing)."""
+def _tagged(pieces: list[Piece]) -> Iterator[tuple[int, Piece]]:
+    return enumerate(pieces, start=TAG_DATA)
+
+
+def _one_line(exc: BaseException, timeout: datetime.timedelta) -> str:
+    """A failed wait as one line; gloo's timeouts (its own, or the pair it closed because another
+    wait on it timed out) are said to be timeouts first."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    if "timeout" in first.lower() or "timed out" in first.lower():
+        return f"timed out after {timeout.total_seconds():.0f}s ({type(exc).__name__}: {first})"
+    return f"{type(exc).__name__}: {first}"
+
+
+def _write_at(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _open_or_fail(payload: OutgoingStep, index: int) -> int:
+    """A file to send, or -1 with the payload's failure set (its pieces still go out, unread)."""
     try:
-        body = json.loads(head.numpy().tobytes().decode("utf-8"))
-        manifest = Manifest.from_json(body["manifest"].encode("utf-8"), "<received manifest>")
-        names = [(str(n), int(s)) for n, s in body["files"]]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, VerificationError):
-        return None
+        return os.open(payload.step_dir / payload.names[index][0], os.O_RDONLY)
+    except OSError as exc:
+        payload.fail(index, exc.strerror or str(exc))
+        return -1
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    got = 0
+    while fd >= 0 and got < view.nbytes:
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError:
+            break  # an I/O error reads as a short file: the payload fails, the protocol goes on
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _expected_digests(head: dict[str, Any]) -> list[ChunkedDigest | None]:
+    """Per file of a header, the chunk list its manifest gives for exactly that file and size;
+    None where there is none (format v1, or a manifest that does not parse: rejected at publish)."""
+    files = head["files"]
+    try:
+        manifest = Manifest.from_json(str(head["manifest"]).encode("utf-8"), "<received manifest>")
+    except (KeyError, VerificationError):
+        return [None] * len(files)
     listed = {f.path: f.chunked for f in manifest.files}
-    files: list[tuple[str, ChunkedDigest]] = []
-    for rel, size in names:
+    out: list[ChunkedDigest | None] = []
+    for rel, size, _ in files:
         expected = listed.get(rel)
-        if expected is None or expected.size != size:
-            return None
-        files.append((rel, expected))
-    if sum(size for _, size in names) != data.numel():
-        return None
-    return StreamChecker(memoryview(data.numpy()).cast("B"), files)
-
-
-def _chunks(data: torch.Tensor) -> list[torch.Tensor]:
-    return [data.narrow(0, off, min(CHUNK, data.numel() - off)) for off in range(0, data.numel(), CHUNK)]
+        out.append(expected if expected is not None and expected.size == size else None)
+    return out
