@@ -1,11 +1,13 @@
 """Side-by-side measurement: a product path against its raw baseline, alternating, with spread.
 
 Every ratio in ``make bench`` comes from here. The two paths run in alternating order (raw first on
-even repeats, measured first on odd ones), so that drifting machine load, page-cache state and
-writeback hit both alike; each ratio is reported as the median with the spread (min-max) of the
-per-repeat ratios. A product path that beats its raw baseline by more than the baseline's own
-noise is flagged as a measurement problem: the raw path is the limit, so beating it means the
-baseline does not measure the limit (or the two paths do different work).
+even repeats, measured first on odd ones), after an untimed warm-up round of each and a ``settle``
+step before every run (writes: ``os.sync``, so that no run pays for the writeback of the one
+before), so that drifting machine load, page-cache state and writeback hit both alike; each ratio
+is reported as the median with the spread (min-max) of the per-repeat ratios. A product path that
+beats its raw baseline by more than the baseline's own noise is flagged as a measurement problem:
+the raw path is the limit, so beating it means the baseline does not measure the limit (or the two
+paths do different work).
 """
 
 from __future__ import annotations
@@ -48,14 +50,25 @@ class Pair:
         }
 
 
-def alternate(measured: Callable[[int], float], raw: Callable[[int], float], repeats: int) -> Pair:
-    """Run both paths ``repeats`` times, alternating which goes first."""
+def alternate(
+    measured: Callable[[int], float],
+    raw: Callable[[int], float],
+    repeats: int,
+    settle: Callable[[], object] = lambda: None,
+    warmup: int = 1,
+) -> Pair:
+    """Run both paths ``repeats`` times, alternating which goes first, after ``warmup`` untimed
+    rounds of each (first-touch allocations, lazily started threads, cold metadata).
+    ``settle`` runs before every run, timed or not (e.g. ``os.sync``, so that the writeback one
+    run left behind is not charged to the next)."""
+    for rep in range(warmup):
+        for path in (raw, measured):
+            settle()
+            path(-1 - rep)
     pair = Pair()
     for rep in range(repeats):
-        if rep % 2 == 0:
-            pair.raw.append(raw(rep))
-            pair.measured.append(measured(rep))
-        else:
-            pair.measured.append(measured(rep))
-            pair.raw.append(raw(rep))
+        order = [(raw, pair.raw), (measured, pair.measured)]
+        for path, into in order if rep % 2 == 0 else order[::-1]:
+            settle()
+            into.append(path(rep))
     return pair
