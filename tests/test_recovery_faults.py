@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
+from pretrain.resilience.outside_faults import Fault, PhaseKiller
 from tests.helpers import FT_CPU, TINY, events, metrics_by_step, overrides_for, run, start_nodes, torchrun, wait_nodes
-from tests.outside import Fault, PhaseKiller
 
 pytestmark = pytest.mark.slow
 

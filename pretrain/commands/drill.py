@@ -15,15 +15,12 @@ Writes ``drill-report.json``, ``drill-report.md`` and ``drill-loss.png`` under t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +31,7 @@ import yaml
 from pretrain.commands.demo import FT_CONFIG
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import load_config
-from pretrain.resilience.phases import ranks_in_phase
+from pretrain.resilience.outside_faults import Fault, PhaseKiller
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
 
@@ -179,10 +176,13 @@ class Drill:
                 "fault_tolerance.inject.hold_seconds": 2,
             },
         )
-        killer = _KillAtPhase(self.work / "runs" / "drill", restart=1, phase="load", ranks=[0])
+        fault = Fault(restart=1, phase="load", ranks=[0])
+        killer = PhaseKiller(self.work / "runs" / "drill", [fault], timeout=300)
         killer.start()
         rc = self._ft_launch(cfg2, "2-kill-at-135", max_restarts=3)
+        killer.stop()
         killer.join(timeout=5)
+        killed = fault.done.get("pids", {})
         restores = self._restores("drill")
         got = [(r["step"], r["tier"]) for r in restores]
         attempts = self._attempts("drill")
@@ -195,8 +195,8 @@ class Drill:
         second = (attempts[1].get("failure") or {}) if len(attempts) > 1 else {}
         rep.check(
             "recover-after-a-kill-during-recovery",
-            rc == 0 and 0 in killer.pids and second.get("phases") == {"0": "load"},
-            f"rank 0 (pid {killer.pids.get(0)}) SIGKILLed while loading step 100 in the second attempt; its record: "
+            rc == 0 and 0 in killed and second.get("phases") == {"0": "load"},
+            f"rank 0 (pid {killed.get(0)}) SIGKILLed while loading step 100 in the second attempt; its record: "
             f"{second.get('evidence')}; the third attempt restored {got[-1] if got else None}",
         )
         rep.check("no-orphans", not self._orphans(cfg2), f"leftover processes: {self._orphans(cfg2) or 'none'}")
@@ -332,27 +332,6 @@ class Drill:
                         "status": a.get("status"),
                     }
                 )
-
-
-class _KillAtPhase(threading.Thread):
-    """SIGKILL ranks from outside the job when their phase records show them in ``phase``."""
-
-    def __init__(self, run_dir: Path, restart: int, phase: str, ranks: list[int], timeout: float = 300) -> None:
-        super().__init__(daemon=True)
-        self.args_ = (run_dir, restart, phase, ranks)
-        self.deadline = time.monotonic() + timeout
-        self.pids: dict[int, int] = {}
-
-    def run(self) -> None:
-        while time.monotonic() < self.deadline:
-            pids = ranks_in_phase(*self.args_)
-            if pids is not None:
-                for pid in pids.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                self.pids = pids
-                return
-            time.sleep(0.02)
 
 
 def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:

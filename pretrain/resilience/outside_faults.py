@@ -1,4 +1,5 @@
-"""Faults injected from outside a running job, at moments read from the job's own records.
+"""Faults injected from outside a running job, at moments read from the job's own records
+(``pretrain drill`` and the recovery-fault tests).
 
 A :class:`PhaseKiller` thread follows the run's phase records (``<run>/ranks/rank-N.json``, see
 ``pretrain.resilience.phases``) and ``metrics.jsonl``; when the ranks it targets are in the planned phase of
