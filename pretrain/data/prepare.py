@@ -15,6 +15,7 @@ with ids outside a vocabulary; :func:`dataset_snapshot_id` is a dataset's identi
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -152,6 +153,14 @@ def checked_token_ids(prefix: Path | str, vocab_size: int) -> int:
 
 
 def dataset_snapshot_id(prefix: Path | str) -> str:
-    """Identity of a prepared dataset: SHA-256 of its index file (document boundaries and sizes)."""
-    digest = hashlib.sha256(Path(str(prefix) + ".idx").read_bytes())
-    return "sha256:" + digest.hexdigest()
+    """Identity of a prepared dataset: SHA-256 of its index file (document boundaries and sizes).
+    Hashed once per process and version of the file (start-up asks twice: the token-id check and
+    the checkpoint's dataset snapshot)."""
+    idx = Path(str(prefix) + ".idx")
+    st = idx.stat()
+    return _idx_digest(str(idx.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _idx_digest(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
