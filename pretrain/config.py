@@ -330,6 +330,9 @@ class IntegrityConfig:
 
     def check(self, fail: Fail) -> None:
         _positive(fail, chunk_mb=self.chunk_mb, hash_threads=self.hash_threads)
+        if self.chunk_mb > 1024:
+            # A replica travels in pieces of whole chunks through a few buffers of that size.
+            fail("chunk_mb", f"must be <= 1024, got {self.chunk_mb}", "use the default 16 (4-64 measured)")
 
     @property
     def chunk_bytes(self) -> int:

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from pretrain.checkpointing.per_rank import load_verified_state
+from tests.corruptions import CHUNK, CORRUPTIONS, RUN, STATE, publish_step, state_bytes
 from tests.helpers import arrived, events, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.digest import LOCAL_HASH, PORTABLE_HASH, ChunkedDigest, HashSpec, check_file, hash_bytes, hash_file
@@ -24,17 +23,11 @@ from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME, Manifest
 from tiering.peer_restore import PeerRecovery
-from tiering.publish import PosixStepPublisher, manifest_for, publish_received
+from tiering.publish import publish_received
 from tiering.remote import RemoteTier
 from tiering.replication import primary_store, replica_store
 from tiering.transport import Transport
-from tiering.verify import committed_marker, verify_step
-
-CHUNK = 64 * 1024  # the smallest chunk a manifest accepts: several chunks in a small file
-SPEC = HashSpec(LOCAL_HASH, CHUNK, 2)
-RUN = "t"
-STATE = "state.pt"
-SIZE = 5 * CHUNK + 1234  # six chunks, the last one short
+from tiering.verify import verify_step
 
 
 # -- chunked hashing == whole-file hashing ---------------------------------------------------------
@@ -80,71 +73,6 @@ def test_chunk_verification_equals_whole_file_verification(tmp_path: Path, name:
         assert chunks_ok == whole_ok, f"chunked and whole-file verification disagree at byte {pos}"
 
 
-# -- the corruptions -------------------------------------------------------------------------------
-def _rewrite_manifest(step_dir: Path, edit: Callable[[dict], None]) -> None:
-    """Edit a committed manifest and rebind COMMITTED to it, so only the edit itself is wrong."""
-    body = json.loads((step_dir / MANIFEST_NAME).read_text())
-    edit(body)
-    raw = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
-    (step_dir / MANIFEST_NAME).write_bytes(raw)
-    (step_dir / "COMMITTED").write_bytes(committed_marker(body["step"], raw))
-
-
-def _flip_middle_chunk(step_dir: Path) -> None:
-    with open(step_dir / STATE, "r+b") as fh:
-        fh.seek(2 * CHUNK + 100)
-        byte = fh.read(1)
-        fh.seek(2 * CHUNK + 100)
-        fh.write(bytes([byte[0] ^ 1]))
-
-
-def _truncate_last_chunk(step_dir: Path) -> None:
-    os.truncate(step_dir / STATE, SIZE - 10)
-
-
-def _drop_a_chunk(body: dict) -> None:
-    body["files"][0]["chunks"].pop()
-
-
-def _short_digest(body: dict) -> None:
-    body["files"][0]["chunks"][1] = body["files"][0]["chunks"][1][:20]
-
-
-def _unknown_hash(body: dict) -> None:
-    body["files"][0]["hash"] = "md4"
-
-
-def _future_version(body: dict) -> None:
-    body["schema_version"] = 3
-
-
-CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
-    "chunk flipped in the middle": (_flip_middle_chunk, "chunk 2 of 6"),
-    "truncated last chunk": (_truncate_last_chunk, "truncated in chunk 5 of 6"),
-    "chunk list does not add up": (lambda d: _rewrite_manifest(d, _drop_a_chunk), "5 chunk digests do not add up"),
-    "digest of the wrong length": (lambda d: _rewrite_manifest(d, _short_digest), "chunk 1 digest is not"),
-    "unknown hash name": (lambda d: _rewrite_manifest(d, _unknown_hash), "unknown hash 'md4'"),
-    "format this reader does not know": (
-        lambda d: _rewrite_manifest(d, _future_version),
-        "unsupported manifest schema_version 3",
-    ),
-}
-
-
-def _state_bytes(step: int) -> bytes:
-    return random.Random(step).randbytes(SIZE)
-
-
-def _publish(layout: RunLayout, step: int, spec: HashSpec = SPEC, owner: int = 0) -> Path:
-    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", spec)
-    tmp = pub.begin(step)
-    data = _state_bytes(step)
-    digest = write_file_durably(tmp / STATE, lambda fh: fh.write(data), spec)
-    manifest = manifest_for(RUN, step, 1, {"tp": 1, "pp": 1, "dp": 1}, extra={"owner_rank": owner})
-    pub.commit(tmp, manifest, known={STATE: digest})
-    return layout.step_dir(step)
-
-
 def _recover(node_root: Path) -> tuple[int | None, str | None, list[str]]:
     """The real tier 1-2 restore path of a one-rank job on one node."""
     topology = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
@@ -158,7 +86,7 @@ def _recover(node_root: Path) -> tuple[int | None, str | None, list[str]]:
 def test_tier1_corruption_falls_back_to_the_older_step(tmp_path: Path, corruption: str) -> None:
     store = primary_store(tmp_path, 0, RUN, 3)
     for step in (10, 20):
-        _publish(store.layout, step)
+        publish_step(store.layout, step)
     damage, needle = CORRUPTIONS[corruption]
     damage(store.step_path(20))
     step, tier, rejected = _recover(tmp_path)
@@ -173,7 +101,7 @@ def test_tier1_corruption_falls_back_to_the_older_step(tmp_path: Path, corruptio
 def test_replica_corruption_falls_back_to_the_older_step(tmp_path: Path, corruption: str) -> None:
     store = replica_store(tmp_path, 0, RUN, 3)  # this node holds only a replica of rank 0
     for step in (10, 20):
-        _publish(store.layout, step)
+        publish_step(store.layout, step)
     damage, needle = CORRUPTIONS[corruption]
     damage(store.step_path(20))
     step, tier, rejected = _recover(tmp_path)
@@ -186,7 +114,7 @@ def test_replica_corruption_falls_back_to_the_older_step(tmp_path: Path, corrupt
 def test_received_replica_with_a_corruption_is_never_committed(tmp_path: Path, corruption: str) -> None:
     """What a peer sent, checked on disk (format v1's path; the transport checks v2 chunks on
     arrival, tests/test_transport.py): the same damage in the bytes or the manifest."""
-    good = _publish(RunLayout(tmp_path / "sender", RUN), 20, owner=1)
+    good = publish_step(RunLayout(tmp_path / "sender", RUN), 20, owner=1)
     damage, needle = CORRUPTIONS[corruption]
     damage(good)
     raw = (good / MANIFEST_NAME).read_bytes()
@@ -223,7 +151,7 @@ def test_object_store_corruption_falls_back_to_the_older_step(
     remote = RemoteTier.open(remote_uri[0], RUN, endpoint_url=remote_uri[1], concurrency=4)
     remote.acquire_lease("me")
     for step in (10, 20):
-        remote.upload_step(_publish(staging, step, spec))
+        remote.upload_step(publish_step(staging, step, spec))
     _corrupt_object(remote, 20, corruption, tmp_path)
     back = RunLayout(tmp_path / "back", RUN)
     step, rejected = remote.restore_newest(back, "r")
@@ -233,7 +161,7 @@ def test_object_store_corruption_falls_back_to_the_older_step(
         needle = "bytes received"  # a ranged GET past the shortened object's end comes back short
     assert rejected and rejected[0][0] == 20 and needle in rejected[0][1] and "\n" not in rejected[0][1], rejected
     assert not back.step_dir(20).exists()
-    assert (back.step_dir(10) / STATE).read_bytes() == _state_bytes(10)
+    assert (back.step_dir(10) / STATE).read_bytes() == state_bytes(10)
     verify_step(back.step_dir(10), expect_run_id=RUN)
 
 

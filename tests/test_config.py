@@ -108,6 +108,7 @@ def test_bad_config_names_key_file_and_fix(tmp_path: Path, text: str, overrides:
         (["run.id=a/b"], 1, "run.id"),
         (["parallel.pp=2"], 2, "model.untie_embeddings"),
         (["fault_tolerance.inject.kill_rank=5"], 2, "fault_tolerance.inject.kill_rank"),
+        (["checkpoint.integrity.chunk_mb=2048"], 1, "checkpoint.integrity.chunk_mb"),
     ],
 )
 def test_impossible_combinations_fail_validation(overrides: list[str], world: int, key: str) -> None:

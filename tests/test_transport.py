@@ -19,8 +19,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.corruptions import CORRUPTIONS, RUN, SPEC, STATE, publish_step
 from tests.helpers import flip_byte, free_port
-from tests.test_chunked_digests import CORRUPTIONS, RUN, SPEC, STATE, _publish
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.errors import VerificationError
 from tiering.fsio import write_file_durably
@@ -73,7 +73,7 @@ def _wire_corruptions(rank: int, root: Path, group: Any) -> dict[str, Any]:
     """Rank 0 sends each damaged copy (bytes on disk, or the manifest it puts on the wire)."""
     transport = Transport(group, 30, piece=PIECE)
     out: dict[str, Any] = {}
-    good = _publish(primary_store(root / "sender", 1, RUN, 3).layout, 20, owner=1) if rank == 0 else None
+    good = publish_step(primary_store(root / "sender", 1, RUN, 3).layout, 20, owner=1) if rank == 0 else None
     for n, name in enumerate(CORRUPTIONS):
         payload = None
         if rank == 0:

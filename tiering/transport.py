@@ -41,7 +41,8 @@ from tiering.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from tiering.verify import verify_step
 
 PIECE = 64 * 1024 * 1024  # bytes per message, rounded to whole digest chunks
-SEND_SLOTS = 3  # pieces a sender has in memory: one being read, two on the wire
+MAX_PIECE = 1024 * 1024 * 1024  # what a receiver accepts from a header (buffers are this size)
+SEND_SLOTS = 3  # pieces a sender (and each receiver) has in memory: one being read, two on the wire
 TAG_SIZE, TAG_HEAD, TAG_DATA = 1, 2, 3
 
 # (file index, start in the file, length): the unit of the wire, in order
@@ -290,6 +291,8 @@ class Transport:
             try:
                 heads[src] = json.loads(tensor.numpy().tobytes().decode("utf-8"))
                 heads[src]["files"] = [(str(n), int(s), int(p)) for n, s, p in heads[src]["files"]]
+                if any(size < 0 or not 0 < p <= MAX_PIECE for _, size, p in heads[src]["files"]):
+                    raise ValueError(f"a size or piece size out of range (pieces are 1 B to {MAX_PIECE >> 20} MiB)")
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
                 errors[src] = f"malformed header: {exc}"  # the pieces cannot be planned: nothing is posted
         return heads
