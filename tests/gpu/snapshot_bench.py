@@ -20,7 +20,6 @@ tensor (the optimizer step, before which the trainer waits for the snapshot). Me
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, save_state
+from tests.gpu.driver_args import parse_driver_args
 from tiering.fsio import write_file_durably
 
 SIZES = {  # parameters, GEMM side, GEMMs per step, steps per timing window
@@ -194,11 +194,7 @@ def run(mode: str, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["cuda", "cpu"], required=True)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    args = parse_driver_args(__doc__, argv)
     result = run(args.mode, Path(args.workdir))
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("state_gb", "blocked_ratio", "snapshot_over_raw_bandwidth")}))

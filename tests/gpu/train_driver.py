@@ -21,7 +21,6 @@ the restore, every save's blocked time and the warnings.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ from pretrain.data.prepare import build_indexed_dataset, synthetic_documents  # 
 from pretrain.model import resolve_spec_name  # noqa: E402
 from pretrain.optim import uses_distributed_optimizer  # noqa: E402
 from pretrain.train import train  # noqa: E402
+from tests.gpu.driver_args import parse_driver_args  # noqa: E402
 
 CONFIG = Path(__file__).with_name("gpu-check.yaml")
 FAULT_STEP = {"cuda": 17, "cpu": 6}  # the newest tier-1 step before it: 15 (every 5 steps) / 4 (every 2)
@@ -162,11 +162,7 @@ def drive(mode: str, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["cuda", "cpu"], required=True)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    args = parse_driver_args(__doc__, argv)
     result = drive(args.mode, Path(args.workdir))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result["comparison"]))
