@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tiering.layout import RunLayout
-from tiering.transport import ReceivedStep
+from tiering.publish import ReceivedStep
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

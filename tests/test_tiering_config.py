@@ -64,3 +64,17 @@ def test_tiering_imports_no_pretrain_module() -> None:
     out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_launcher_and_the_publish_protocol_load_no_torch() -> None:
+    """`pretrain launch` (run by Slurm/Kubernetes before any rank) and the publish protocol stay
+    light: torch is for the ranks and the transport only (a launcher that imports it prints CUDA
+    warnings into its one-line errors and takes seconds longer to start)."""
+    probe = (
+        "import sys\n"
+        "import pretrain.commands.launch, tiering.publish, tiering.verify, tiering.remote\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "torch was imported"

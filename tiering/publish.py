@@ -16,19 +16,31 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiering.collective import Collective
-from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec, hash_file
+from tiering.digest import DEFAULT_HASHING, ChunkedDigest, ChunkFailure, HashSpec, hash_file
 from tiering.errors import PublishError, ReplicaRejected, VerificationError
 from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
-from tiering.transport import ReceivedStep
 from tiering.verify import committed_marker, verify_file
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReceivedStep:
+    """A step's files as they arrived from a peer, in ``directory`` (not published, not trusted)."""
+
+    header: dict[str, Any]
+    manifest_raw: bytes
+    directory: Path
+    names: list[tuple[str, int]]  # (relative path, size)
+    checked: frozenset[str] = frozenset()  # files whose every chunk was checked on arrival
+    mismatch: ChunkFailure | None = None  # the first chunk that did not match, if any
 
 
 class PosixStepPublisher:

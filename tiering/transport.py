@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tiering.digest import ChunkChecker, ChunkedDigest, ChunkFailure
 from tiering.errors import VerificationError
 from tiering.manifest import MANIFEST_NAME, Manifest, check_relative_path
+from tiering.publish import ReceivedStep
 from tiering.verify import verify_step
 
 PIECE = 64 * 1024 * 1024  # bytes per message, rounded to whole digest chunks
@@ -103,18 +104,6 @@ class OutgoingStep:
     def header_bytes(self, piece: int) -> bytes:
         body = {**self.header, "manifest": self.manifest_raw.decode("utf-8"), "files": self.wire_files(piece)}
         return json.dumps(body).encode()
-
-
-@dataclass
-class ReceivedStep:
-    """A step's files as they arrived from a peer, in ``directory`` (not published, not trusted)."""
-
-    header: dict[str, Any]
-    manifest_raw: bytes
-    directory: Path
-    names: list[tuple[str, int]]  # (relative path, size)
-    checked: frozenset[str] = frozenset()  # files whose every chunk was checked on arrival
-    mismatch: ChunkFailure | None = None  # the first chunk that did not match, if any
 
 
 class _Incoming:
