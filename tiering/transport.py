@@ -166,14 +166,14 @@ class _Incoming:
                 works[i] = self._post(group, pieces[i], i)
             for i, (index, start, length) in enumerate(pieces):
                 if not works.pop(i).wait(timeout):
-                    raise TimeoutError(f"timed out after {timeout.total_seconds():.0f}s")
+                    raise TimeoutError(_timed_out(timeout))
                 view = memoryview(self._slots[i % n][:length].numpy())
                 self._land(index, start, view)
                 if i + n < len(pieces):
                     works[i + n] = self._post(group, pieces[i + n], i + n)
             word = torch.zeros(1, dtype=torch.int64)
             if not dist.irecv(word, src=self.src, group=group, tag=TAG_DATA + len(pieces)).wait(timeout):
-                raise TimeoutError(f"timed out after {timeout.total_seconds():.0f}s")
+                raise TimeoutError(_timed_out(timeout))
             if (bad := int(word.item())) >= 0 and self._mismatch is None:
                 # The sender could not read that file as listed: whatever arrived for it is not the copy.
                 name = self.files[bad][0] if bad < len(self.files) else "?"
@@ -342,7 +342,7 @@ class Transport:
                 continue
             try:
                 if not work.wait(self.timeout):
-                    errors[peer] = f"timed out after {self.timeout.total_seconds():.0f}s"
+                    errors[peer] = _timed_out(self.timeout)
             except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
                 errors[peer] = _one_line(exc, self.timeout)
 
@@ -366,10 +366,16 @@ def _tagged(pieces: list[Piece]) -> Iterator[tuple[int, Piece]]:
 def _one_line(exc: BaseException, timeout: datetime.timedelta) -> str:
     """A failed wait as one line; gloo's timeouts (its own, or the pair it closed because another
     wait on it timed out) are said to be timeouts first."""
+    if isinstance(exc, TimeoutError):
+        return str(exc)  # a wait of ours that ran out: already said as one
     first = str(exc).splitlines()[0] if str(exc) else ""
     if "timeout" in first.lower() or "timed out" in first.lower():
-        return f"timed out after {timeout.total_seconds():.0f}s ({type(exc).__name__}: {first})"
+        return f"{_timed_out(timeout)} ({type(exc).__name__}: {first})"
     return f"{type(exc).__name__}: {first}"
+
+
+def _timed_out(timeout: datetime.timedelta) -> str:
+    return f"timed out after {timeout.total_seconds():.0f}s"
 
 
 def _write_at(fd: int, view: memoryview, offset: int) -> None:
