@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,11 +18,22 @@ from pretrain.checkpointing.per_rank import load_verified_state
 from tests.corruptions import CHUNK, CORRUPTIONS, RUN, STATE, publish_step, state_bytes
 from tests.helpers import arrived, events, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
-from tiering.digest import LOCAL_HASH, PORTABLE_HASH, ChunkedDigest, HashSpec, check_file, hash_bytes, hash_file
+from tiering.digest import (
+    COLD_READ,
+    LOCAL_HASH,
+    PORTABLE_HASH,
+    READ_BLOCK,
+    ChunkedDigest,
+    HashSpec,
+    check_file,
+    hash_bytes,
+    hash_file,
+)
 from tiering.errors import ReplicaRejected, VerificationError
 from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME, Manifest
+from tiering.page_cache import cached_bytes
 from tiering.peer_restore import PeerRecovery
 from tiering.publish import publish_received
 from tiering.remote import RemoteTier
@@ -71,6 +83,43 @@ def test_chunk_verification_equals_whole_file_verification(tmp_path: Path, name:
             chunks_ok = False
             assert f"chunk {pos // CHUNK} of {len(expected.chunks)}" in str(exc)
         assert chunks_ok == whole_ok, f"chunked and whole-file verification disagree at byte {pos}"
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_path: Path) -> None:
+    """A verifier reads a chunk in one large request when its pages are not cached and in
+    cache-sized blocks when they are (tiering/page_cache.py): both reads give the same digest,
+    chunks larger than one cold read included, and a flipped byte is caught either way."""
+    chunk = COLD_READ + READ_BLOCK + 4097  # a cold chunk takes two reads, a warm one six
+    data = random.Random(5).randbytes(2 * chunk + 3)
+    path = tmp_path / "f.bin"
+    spec = HashSpec(LOCAL_HASH, chunk, 2)
+    write_file_durably(path, lambda fh: fh.write(data), spec)
+    expected = _serial(data, LOCAL_HASH, chunk)
+    with open(path, "rb") as fh:
+        _evict(path)
+        cold = cached_bytes(fh.fileno(), 0, len(data))
+        assert hash_file(path, spec) == expected, "hashed from a cold disk"
+        warm = cached_bytes(fh.fileno(), 0, len(data))
+        assert hash_file(path, spec) == expected, "hashed from the page cache"
+    if cold is not None:  # this kernel has cachestat(2): the two reads above took the two paths
+        assert cold < len(data) // 2 and warm == len(data), f"cached bytes: {cold} after eviction, {warm} after a read"
+    corrupt = bytearray(data)
+    corrupt[chunk + COLD_READ + 1] ^= 1  # in the second cold read of chunk 1
+    path.write_bytes(bytes(corrupt))
+    for label in ("cold", "warm"):
+        if label == "cold":
+            _evict(path)
+        with pytest.raises(VerificationError, match="chunk 1 of 3"):
+            check_file(path, expected, threads=2)
 
 
 def _recover(node_root: Path) -> tuple[int | None, str | None, list[str]]:

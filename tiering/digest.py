@@ -32,6 +32,7 @@ import blake3
 import xxhash
 
 from tiering.errors import VerificationError
+from tiering.page_cache import is_cached
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # measured: bench/suite.py --chunk-sweep (README)
 LOCAL_HASH = "xxh3-128"
@@ -129,34 +130,34 @@ def _workers(threads: int) -> int:
 
 
 # -- hashing a file that exists -------------------------------------------------------------------
-# Bytes read per call while hashing a chunk from disk: a block that stays in the CPU's cache between
-# the read and the hash (a whole 16 MiB chunk does not: restoring from the page cache took 1.5x the
-# raw read with chunk-sized reads, ~1.0x with 4 MiB, README "Checkpoint I/O").
+# How a chunk is read depends on where its bytes are (measured, tiering/page_cache.py and README
+# "Checkpoint I/O"): pages already cached are read in blocks that stay in the CPU's cache between
+# the read and the hash (a whole 16 MiB chunk does not: 1.7x the raw read from the page cache,
+# 4 MiB blocks ~1.1x); a chunk on a cold disk is read in one request of up to COLD_READ (the kernel
+# then fetches it at once; 4 MiB reads on a cold disk took 1.3x the raw read).
 READ_BLOCK = 4 * 1024 * 1024
+COLD_READ = 16 * 1024 * 1024
 _BUFFERS = threading.local()
 
 
 def _thread_buffer() -> memoryview:
-    """This thread's reused read buffer (no allocation per chunk; memory stays at threads x block)."""
+    """This thread's reused read buffer (no allocation per chunk; memory stays at threads x COLD_READ)."""
     buf: bytearray | None = getattr(_BUFFERS, "buf", None)
     if buf is None:
-        buf = _BUFFERS.buf = bytearray(READ_BLOCK)
+        buf = _BUFFERS.buf = bytearray(COLD_READ)
     return memoryview(buf)
 
 
-def _hash_chunk(fd: int, name: str, start: int, length: int, ahead: int = 0) -> str:
-    """Hash ``length`` bytes at ``start``, read a block at a time. ``pread`` and the hashes release
-    the GIL, so reads and hashes of different chunks overlap across threads. ``ahead``: bytes
-    after this chunk's successor on this thread to ask the kernel to read meanwhile, so that a cold
-    disk always has a chunk per thread in flight while small blocks are read and hashed (a no-op
-    for pages already cached). A file that shrank while being read hashes short: no match."""
-    if ahead:
-        os.posix_fadvise(fd, start + ahead, length, os.POSIX_FADV_WILLNEED)
+def _hash_chunk(fd: int, name: str, start: int, length: int) -> str:
+    """Hash ``length`` bytes at ``start`` of ``fd``. ``pread`` and the hashes release the GIL, so
+    reads and hashes of different chunks overlap across threads. A file that shrank while being
+    read hashes short: no match."""
+    block = READ_BLOCK if is_cached(fd, start, length) else COLD_READ
     h = new_hasher(name)
     view = _thread_buffer()
     pos = 0
     while pos < length:
-        n = os.preadv(fd, [view[: min(READ_BLOCK, length - pos)]], start + pos)
+        n = os.preadv(fd, [view[: min(block, length - pos)]], start + pos)
         if n == 0:
             break
         h.update(view[:n])
@@ -172,8 +173,7 @@ def hash_file(path: Path, spec: HashSpec = DEFAULT_HASHING) -> ChunkedDigest:
         ranges = [chunk_range(i, size, spec.chunk_bytes) for i in range(chunk_count(size, spec.chunk_bytes))]
         fd = fh.fileno()
         with ThreadPoolExecutor(_workers(spec.threads)) as pool:
-            ahead = _workers(spec.threads) * spec.chunk_bytes
-            chunks = tuple(pool.map(lambda r: _hash_chunk(fd, spec.name, *r, ahead), ranges))
+            chunks = tuple(pool.map(lambda r: _hash_chunk(fd, spec.name, *r), ranges))
     return ChunkedDigest(spec.name, spec.chunk_bytes, size, chunks)
 
 
@@ -186,11 +186,10 @@ def check_file(path: Path, expected: ChunkedDigest, threads: int = 2) -> None:
             raise VerificationError(path, short_file_reason(size, expected))
         fd = fh.fileno()
         n = len(expected.chunks)
-        ahead = _workers(threads) * expected.chunk_bytes
 
         def one(index: int) -> int | None:
             start, length = chunk_range(index, size, expected.chunk_bytes)
-            same = _hash_chunk(fd, expected.hash, start, length, ahead) == expected.chunks[index]
+            same = _hash_chunk(fd, expected.hash, start, length) == expected.chunks[index]
             return None if same else index
 
         with ThreadPoolExecutor(_workers(threads)) as pool:
