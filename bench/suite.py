@@ -9,7 +9,9 @@ flagged as a measurement problem, never counted as met. For each state size (def
 * publish: the tier-1 save path / a raw durable write of the same serialized bytes (>= 0.9);
 * restore: verify every chunk + load the verified file / a raw read of the same bytes on as many
   threads, page cache evicted (<= 1.2x) and warm (<= 2x); peak restore RSS / state size (<= 1.3);
-* peer restore: tier 1-2 recovery from a peer's replica / the same bytes read and sent raw (<= 1.3x);
+* peer restore: tier 1-2 recovery from a peer's replica / the same bytes read and sent raw into
+  memory that exists (<= 1.3x); beside it, against the raw path that also writes the bytes into a
+  new file, as the restore keeps its copy (no target: it shows the cost of new page-cache pages);
 * blocked: seconds the real trainer (``pretrain train``, 2 ranks, a GPT sized to the state) is
   blocked per background tier-1 save, per writer mode, over a synchronous ``torch.save`` + fsync
   of the same state file (<= 1/50);
@@ -256,6 +258,16 @@ def _pair_row(name: str, where: str, pair: dict[str, Any]) -> Row:
     return (name, where, pair["ratio"], note)
 
 
+def _landed(row: Row, landed: dict[str, Any] | None) -> Row:
+    """The peer row's second baseline, said beside it: the raw path that also writes the bytes into
+    a new file (the restore keeps its copy), so that the cost of new page-cache pages shows."""
+    if not landed:
+        return row
+    lo, hi = landed["ratio_spread"]
+    extra = f"; vs raw + write into a new file: {landed['ratio']:.2f} [{lo:.2f}-{hi:.2f}] ({landed['raw_s']:.3f} s raw)"
+    return (row[0], row[1], row[2], row[3] + extra)
+
+
 def _table(results: dict[str, Any]) -> list[Row]:
     """(measure, where, ratio, note) rows of the printed table and the chart."""
     rows: list[Row] = []
@@ -270,7 +282,7 @@ def _table(results: dict[str, Any]) -> list[Row]:
         rows.append(_pair_row("restore_warm", mb, r["restore_warm"]))
         rss = r["restore_rss"]
         rows.append(("restore_rss", mb, rss["ratio"], f"{rss['growth_bytes'] / 1e6:.0f} MB growth, model allocated"))
-        rows.append(_pair_row("peer_restore", mb, r["peer_restore"]))
+        rows.append(_landed(_pair_row("peer_restore", mb, r["peer_restore"]), r["peer_restore"].get("landed")))
     for r in results.get("s3", []):
         if "error" in r:
             rows.append(("s3_promotion", "-", None, f"failed: {r['error']}"))
