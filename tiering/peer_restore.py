@@ -124,11 +124,12 @@ class PeerRecovery:
         t0 = time.perf_counter()
         nodes: list[str] = self.coll.all_gather(self.node)
         serving = {n: min(r for r, m in enumerate(nodes) if m == n) for n in set(nodes)}
-        scan, skipped, rejected = self._scan() if serving[self.node] == self.rank else ({}, [], [])
-        scans: list[dict[str, list[int]]] = self.coll.all_gather(scan)
-        skips: list[list[str]] = self.coll.all_gather(skipped)
-        result = PeerPlanResult(None, [s for part in skips for s in part])
-        result.rejected.extend(r for part in self.coll.all_gather(rejected) for r in part)
+        mine = self._scan() if serving[self.node] == self.rank else ({}, [], [])
+        # One gather of the three lists (each gather is a round trip of every rank, on the RTO path).
+        gathered: list[tuple[dict[str, list[int]], list[str], list[str]]] = self.coll.all_gather(mine)
+        scans = [scan for scan, _, _ in gathered]
+        result = PeerPlanResult(None, [s for _, skipped, _ in gathered for s in skipped])
+        result.rejected.extend(r for _, _, rejected in gathered for r in rejected)
         # availability[step][owner] -> list of (node, kind)
         avail: dict[int, dict[int, list[tuple[str, str]]]] = {}
         for r, found in enumerate(scans):
