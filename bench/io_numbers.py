@@ -49,6 +49,7 @@ from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec
 from tiering.fsio import fsync_dir, write_file_durably
 from tiering.layout import RunLayout
+from tiering.page_cache import evict
 from tiering.peer_restore import PeerRecovery
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.replication import primary_store, replica_store
@@ -69,15 +70,6 @@ def serialized(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.getvalue()
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def raw_durable_write(root: Path, name: str, data: bytes) -> float:
@@ -306,24 +298,18 @@ class _PeerBench:
 
         return self._timed(body)
 
-    def raw(self, rep: int) -> float:
-        def body() -> None:
-            if self.rank == 0:
-                raw_send(self.replica / STATE, self.group, self.pieces)
-            else:
-                raw_receive(self.landing, self.group)
-
-        return self._timed(body)
-
-    def raw_landed(self, rep: int) -> float:
-        """The raw path, the bytes also written into a new file as the restore keeps them."""
+    def raw(self, rep: int, landed: bool = False) -> float:
+        """The raw path; ``landed``: rank 1 also writes every piece into a new file, as the
+        restore keeps its copy."""
 
         def body() -> None:
             if self.rank == 0:
                 raw_send(self.replica / STATE, self.group, self.pieces)
-            else:
+            elif landed:
                 self.kept.mkdir()
                 raw_receive_into_file(self.kept / STATE, self.size, self.group, self.pieces)
+            else:
+                raw_receive(self.landing, self.group)
 
         return self._timed(body)
 
@@ -333,7 +319,7 @@ def _peer_worker(rank: int, root: str, mb: int, repeats: int, port: int, out: st
     dist.init_process_group("gloo", rank=rank, world_size=2)
     bench = _PeerBench(rank, Path(root), mb)
     pair = alternate(bench.restore, bench.raw, repeats, settle=os.sync)  # no run pays for the last one's writeback
-    landed = alternate(bench.restore, bench.raw_landed, repeats, settle=os.sync)
+    landed = alternate(bench.restore, lambda rep: bench.raw(rep, landed=True), repeats, settle=os.sync)
     rows = bench.coll.all_gather({**pair.summary("time"), "landed": landed.summary("time")})
     if rank == 0:
         Path(out).write_text(json.dumps(rows[1]))  # what the restoring rank (1) saw

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -33,7 +32,7 @@ from tiering.errors import ReplicaRejected, VerificationError
 from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME, Manifest
-from tiering.page_cache import cached_bytes
+from tiering.page_cache import cached_bytes, evict
 from tiering.peer_restore import PeerRecovery
 from tiering.publish import publish_received
 from tiering.remote import RemoteTier
@@ -85,15 +84,6 @@ def test_chunk_verification_equals_whole_file_verification(tmp_path: Path, name:
         assert chunks_ok == whole_ok, f"chunked and whole-file verification disagree at byte {pos}"
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_path: Path) -> None:
     """A verifier reads a chunk in one large request when its pages are not cached and in
     cache-sized blocks when they are (tiering/page_cache.py): both reads give the same digest,
@@ -105,7 +95,7 @@ def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_pa
     write_file_durably(path, lambda fh: fh.write(data), spec)
     expected = _serial(data, LOCAL_HASH, chunk)
     with open(path, "rb") as fh:
-        _evict(path)
+        evict(path)
         cold = cached_bytes(fh.fileno(), 0, len(data))
         assert hash_file(path, spec) == expected, "hashed from a cold disk"
         warm = cached_bytes(fh.fileno(), 0, len(data))
@@ -117,7 +107,7 @@ def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_pa
     path.write_bytes(bytes(corrupt))
     for label in ("cold", "warm"):
         if label == "cold":
-            _evict(path)
+            evict(path)
         with pytest.raises(VerificationError, match="chunk 1 of 3"):
             check_file(path, expected, threads=2)
 
