@@ -116,7 +116,7 @@ class RawRead:
         if rep >= 0:  # not the warm-up round
             for name, seconds in now.items():
                 self.times.setdefault(name, []).append(seconds)
-        return min(now.values())
+        return min(now.values())  # for alternate(); the pair's raw times are replaced by best()
 
     def best(self) -> tuple[str, list[float]]:
         """The pattern with the lowest median, and its seconds per repeat."""
@@ -360,7 +360,8 @@ def raw_receive_into_file(path: Path, size: int, group: Any, slots: list[torch.T
     """Receive the pieces into a few reused ``slots`` (memory that exists) and ``pwrite``
     each into a new file with its space reserved: the restore's landing, with nothing checked,
     planned or published. What it adds to :func:`raw_receive` is the kernel's cost of new
-    page-cache pages, which on this VM is most of a 2 GB copy's time (README, "Measured")."""
+    page-cache pages (on this VM a host fault per page, README "Measured"; within one run that
+    cost is smaller than the run-to-run noise, so the two raw paths are not ordered reliably)."""
     pieces = list(range(0, size, PIECE))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
