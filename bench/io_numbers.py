@@ -3,20 +3,26 @@
 * publish: the tier-1 save path (the writer's own ``save_state`` into the step's temporary
   directory with the chunked digest computed while writing, fsync, manifest, COMMITTED, rename,
   latest.json) / a raw durable write of the same serialized bytes (one file in a temporary
-  directory, fsync, directory fsync, rename): a throughput ratio, each run after ``os.sync`` (no
-  run pays for the writeback of the one before);
+  directory, fsync, directory fsync, rename): a throughput ratio, each run after both paths' last
+  outputs are removed, ``os.sync`` (no run pays for the writeback of the one before) and the wait
+  of :mod:`bench.memory_state` (every run lands in memory left idle);
 * restore: verify every chunk (all cores) + ``torch.load`` of the verified file (mapped) / a raw read
   of the same bytes on as many threads (16 MiB reads, 4 MiB reads and, cold, 4 MiB reads with
   read-ahead, all in every repeat; the baseline is the pattern with the lowest median; the verifier
   reads 16 MiB from a cold disk and 4 MiB from the page cache), with the page cache evicted
-  (``posix_fadvise(DONTNEED)``, what a restarted node reads) and warm;
+  (``posix_fadvise(DONTNEED)``, what a restarted node reads; every cold read, the product's and
+  each raw pattern's, after the wait of :mod:`bench.memory_state`, as it fills new page-cache
+  pages) and warm;
 * peak restore memory: RSS growth of a fresh process that restores the state into preallocated
   tensors (the model exists before a restore) / the state's size;
 * peer restore: 2 gloo ranks on loopback; rank 1's disk is empty, rank 0 holds its replica: the
   tier 1-2 recovery (plan, verify while reading, stream, check chunks on arrival and write them
   into the new file, publish, load) / rank 0 reading the same bytes in the same pieces and sending
-  each while it reads the next, rank 1 receiving them into memory that exists; and a second pair
-  against the same raw path with rank 1 also writing every piece into a new file (``landed``).
+  each while it reads the next, rank 1 receiving them and writing every piece into a new file (the
+  restore's landing, nothing checked: what ``download_file`` is to an S3 restore); and a second
+  pair against the wire alone (rank 1 receiving into memory that exists, ``wire``). Before every
+  run the replica leaves rank 0's page cache, the copy the run before left is removed and the
+  bench waits as :mod:`bench.memory_state` says.
 
 ``python -m bench.io_numbers --sizes-mb 300 2000 --repeats 5`` prints JSON (``make bench`` runs it).
 """
@@ -34,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.memory_state import ReclaimedStart, tree_bytes
 from bench.pairs import alternate
 from pretrain.checkpointing.async_writer import save_state
 from pretrain.checkpointing.per_rank import load_verified_state
@@ -49,7 +57,7 @@ from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec
 from tiering.fsio import fsync_dir, write_file_durably
 from tiering.layout import RunLayout
-from tiering.page_cache import evict
+from tiering.page_cache import cached_bytes, evict
 from tiering.peer_restore import PeerRecovery
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.replication import primary_store, replica_store
@@ -101,15 +109,19 @@ class RawRead:
     the lowest median over the repeats. The per-repeat minimum over patterns would be biased low on
     a noisy machine (the luckiest of k draws against the product's one draw)."""
 
-    def __init__(self, path: Path, cold: bool, threads: int = VERIFY_THREADS) -> None:
+    def __init__(
+        self, path: Path, cold: bool, threads: int = VERIFY_THREADS, settle: Callable[[], object] | None = None
+    ) -> None:
         self.path, self.cold, self.threads = path, cold, threads
+        # Cold: run before each pattern (the pattern before it cached the file); default: evict it.
+        self.settle = settle or (lambda: evict(path))
         self.times: dict[str, list[float]] = {}
 
     def __call__(self, rep: int) -> float:
         now = {}
         for block, ahead in raw_patterns(self.cold):
             if self.cold:
-                evict(self.path)
+                self.settle()
             now[f"{block >> 20} MiB reads" + (" + read-ahead" if ahead else "")] = _read_blocks(
                 self.path, self.threads, block, ahead
             )
@@ -124,8 +136,10 @@ class RawRead:
         return name, self.times[name]
 
 
-def _restore_pair(measured: Any, raw: RawRead, repeats: int) -> dict[str, Any]:
-    pair = alternate(measured, raw, repeats)
+def _restore_pair(
+    measured: Any, raw: RawRead, repeats: int, settle: Callable[[], object] = lambda: None
+) -> dict[str, Any]:
+    pair = alternate(measured, raw, repeats, settle=settle)
     pattern, pair.raw = raw.best()
     return {**pair.summary("time"), "raw_pattern": pattern}
 
@@ -189,17 +203,36 @@ def measure_local(mb: int, repeats: int, work: Path, spec: HashSpec) -> dict[str
         shutil.rmtree(raw_root / "raw", ignore_errors=True)
         return raw_durable_write(raw_root, "raw", data)
 
+    def clear() -> int:
+        """Both paths' last outputs, removed before every run (each lands in memory left idle)."""
+        freed = tree_bytes([layout.steps_dir, raw_root / "raw"])
+        shutil.rmtree(layout.steps_dir, ignore_errors=True)
+        shutil.rmtree(raw_root / "raw", ignore_errors=True)
+        return freed
+
     out: dict[str, Any] = {"size_mb": round(len(data) / 1e6), "hash": spec.name, "chunk_mb": spec.chunk_bytes >> 20}
-    out["publish"] = alternate(publish, write_raw, repeats, settle=os.sync).summary("throughput")
+    start = ReclaimedStart(clear)
+    out["publish"] = alternate(publish, write_raw, repeats, settle=start).summary("throughput")
+    out["publish"]["reclaim_wait_s"] = round(start.waited_s, 1)
+    if not (raw_root / "raw" / STATE).exists():
+        write_raw(-1)  # the restore pairs read both outputs; the last run left only its own
+    if not layout.steps_dir.is_dir():
+        publish(-1)
     step_dir = next(p for p in layout.steps_dir.iterdir() if p.name.startswith("step-"))
     raw_file = raw_root / "raw" / STATE
 
     def restore_cold(rep: int) -> float:
         for p in step_dir.iterdir():
-            evict(p)
+            evict(p)  # done by the settle step already: a restarted node's page cache is empty
         return tier_restore(step_dir)
 
-    out["restore_cold"] = _restore_pair(restore_cold, RawRead(raw_file, cold=True), repeats)
+    # A cold read fills new page-cache pages: every read, the product's and each raw pattern's,
+    # starts from memory the host can have taken back (bench.memory_state).
+    cold_start = ReclaimedStart(lambda: sum(evict_counted(p) for p in [*step_dir.iterdir(), raw_file]))
+    raw_start = ReclaimedStart(lambda: evict_counted(raw_file), cold_start.reporting)
+    raw_cold = RawRead(raw_file, cold=True, settle=raw_start)
+    out["restore_cold"] = _restore_pair(restore_cold, raw_cold, repeats, settle=cold_start)
+    out["restore_cold"]["reclaim_wait_s"] = round(cold_start.waited_s + raw_start.waited_s, 1)
     out["restore_warm"] = _restore_pair(lambda r: tier_restore(step_dir), RawRead(raw_file, cold=False), repeats)
     out["restore_rss"] = restore_rss(step_dir, len(data))
     return out
@@ -276,11 +309,20 @@ class _PeerBench:
         self.landing = torch.zeros(self.size, dtype=torch.uint8) if rank == 1 else torch.empty(0)
         self.kept = root / "raw-landed"
 
-    def _timed(self, body: Any) -> float:
+    def clear(self) -> int:
+        """Collective. Drop the replica from rank 0's page cache and remove the copy the run
+        before left on rank 1; the bytes freed on the machine (both ranks share its memory)."""
+        freed = 0
         if self.rank == 0:
-            evict(self.replica / STATE)
-        shutil.rmtree(self.root / "node-1", ignore_errors=True)
-        shutil.rmtree(self.kept, ignore_errors=True)
+            freed += evict_counted(self.replica / STATE)
+        else:
+            freed += tree_bytes([self.root / "node-1", self.kept])
+            shutil.rmtree(self.root / "node-1", ignore_errors=True)
+            shutil.rmtree(self.kept, ignore_errors=True)
+        return sum(self.coll.all_gather(freed))
+
+    def _timed(self, body: Any) -> float:
+        self.clear()  # already done by the pair's settle step: frees nothing now
         self.coll.barrier()
         t0 = time.perf_counter()
         body()
@@ -300,7 +342,7 @@ class _PeerBench:
 
     def raw(self, rep: int, landed: bool = False) -> float:
         """The raw path; ``landed``: rank 1 also writes every piece into a new file, as the
-        restore keeps its copy."""
+        restore keeps its copy (the target's baseline); else the wire alone."""
 
         def body() -> None:
             if self.rank == 0:
@@ -318,12 +360,30 @@ def _peer_worker(rank: int, root: str, mb: int, repeats: int, port: int, out: st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     bench = _PeerBench(rank, Path(root), mb)
-    pair = alternate(bench.restore, bench.raw, repeats, settle=os.sync)  # no run pays for the last one's writeback
-    landed = alternate(bench.restore, lambda rep: bench.raw(rep, landed=True), repeats, settle=os.sync)
-    rows = bench.coll.all_gather({**pair.summary("time"), "landed": landed.summary("time")})
+    start = ReclaimedStart(bench.clear)
+    landed = alternate(bench.restore, lambda rep: bench.raw(rep, landed=True), repeats, settle=start)
+    landed_wait, start.waited_s = start.waited_s, 0.0
+    wire = alternate(bench.restore, bench.raw, repeats, settle=start)
+    row = {**landed.summary("time"), "reclaim_wait_s": round(landed_wait, 1)}
+    row["wire"] = {**wire.summary("time"), "reclaim_wait_s": round(start.waited_s, 1)}
+    row["free_page_reporting"] = start.reporting
+    rows = bench.coll.all_gather(row)
     if rank == 0:
         Path(out).write_text(json.dumps(rows[1]))  # what the restoring rank (1) saw
     dist.destroy_process_group()
+
+
+def evict_counted(path: Path) -> int:
+    """Drop ``path`` from the page cache; the bytes it had there (its size where the kernel
+    cannot say)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        cached = cached_bytes(fd, 0, size)
+    finally:
+        os.close(fd)
+    evict(path)
+    return size if cached is None else cached
 
 
 def raw_send(path: Path, group: Any, slots: list[torch.Tensor]) -> None:
@@ -359,9 +419,9 @@ def raw_receive(data: torch.Tensor, group: Any) -> None:
 def raw_receive_into_file(path: Path, size: int, group: Any, slots: list[torch.Tensor]) -> None:
     """Receive the pieces into a few reused ``slots`` (memory that exists) and ``pwrite``
     each into a new file with its space reserved: the restore's landing, with nothing checked,
-    planned or published. What it adds to :func:`raw_receive` is the kernel's cost of new
-    page-cache pages (on this VM a host fault per page, README "Measured"; within one run that
-    cost is smaller than the run-to-run noise, so the two raw paths are not ordered reliably)."""
+    planned or published. What it adds to :func:`raw_receive` is the cost of new page-cache
+    pages (on this VM a host fault per page once the host has taken the memory back:
+    :mod:`bench.memory_state`)."""
     pieces = list(range(0, size, PIECE))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
