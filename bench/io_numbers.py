@@ -196,11 +196,9 @@ def measure_local(mb: int, repeats: int, work: Path, spec: HashSpec) -> dict[str
     steps = iter(range(1, 10_000))
 
     def publish(rep: int) -> float:
-        shutil.rmtree(layout.steps_dir, ignore_errors=True)
         return tier_publish(layout, next(steps), state, spec)
 
     def write_raw(rep: int) -> float:
-        shutil.rmtree(raw_root / "raw", ignore_errors=True)
         return raw_durable_write(raw_root, "raw", data)
 
     def clear() -> int:

@@ -13,9 +13,9 @@ flagged as a measurement problem, never counted as met. For each state size (def
   written into a new file on the restoring node, as ``download_file`` lands an S3 object
   (<= 1.3x); beside it, against the wire alone (received into memory that exists, no target: the
   difference is the machine's cost of new memory, which every restore pays);
-* the pairs that land bytes in new memory (publish, peer restore) start every run from the same
-  memory state: on a VM with free page reporting, after the host can have taken back what the
-  run before freed (:mod:`bench.memory_state`);
+* the pairs that land bytes in new memory (publish, cold restore, peer restore) start every run
+  from the same memory state: on a VM with free page reporting, after the host can have taken
+  back what the run before freed (:mod:`bench.memory_state`);
 * blocked: seconds the real trainer (``pretrain train``, 2 ranks, a GPT sized to the state) is
   blocked per background tier-1 save, per writer mode, over a synchronous ``torch.save`` + fsync
   of the same state file (<= 1/50);
