@@ -220,9 +220,7 @@ def measure_local(mb: int, repeats: int, work: Path, spec: HashSpec) -> dict[str
     raw_file = raw_root / "raw" / STATE
 
     def restore_cold(rep: int) -> float:
-        for p in step_dir.iterdir():
-            evict(p)  # done by the settle step already: a restarted node's page cache is empty
-        return tier_restore(step_dir)
+        return tier_restore(step_dir)  # the settle step (cold_start) evicted the step: an empty page cache
 
     # A cold read fills new page-cache pages: every read, the product's and each raw pattern's,
     # starts from memory the host can have taken back (bench.memory_state).
@@ -320,8 +318,7 @@ class _PeerBench:
         return sum(self.coll.all_gather(freed))
 
     def _timed(self, body: Any) -> float:
-        self.clear()  # already done by the pair's settle step: frees nothing now
-        self.coll.barrier()
+        self.coll.barrier()  # the pair's settle step (clear) has emptied rank 1's node and rank 0's cache
         t0 = time.perf_counter()
         body()
         seconds = time.perf_counter() - t0

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from tiering.fsio import dir_size
+
 VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
 REPORTING_FEATURE_BIT = 5  # VIRTIO_BALLOON_F_REPORTING (virtio spec 5.5.3)
 RECLAIM_DELAY_S = 2.0  # the kernel's page reporting delay before it reports a freed block
@@ -61,7 +63,7 @@ def tree_bytes(paths: Iterable[Path]) -> int:
         if path.is_file():
             total += path.stat().st_size
         elif path.is_dir():
-            total += sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            total += dir_size(path)
     return total
 
 
