@@ -33,7 +33,6 @@ import argparse
 import datetime
 import io
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -47,7 +46,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,21 +98,14 @@ def raw_durable_write(root: Path, name: str, data: bytes) -> float:
 
 
 NO_ADVICE, NEXT_CHUNK, READ_AHEAD = "", " + next chunk advised", " + read-ahead thread"
-MAPPED = "mapped, every word read"
 
 
 def raw_patterns(cold: bool) -> list[tuple[int, str]]:
     """The raw ways to read a file (block size, advice): 16 MiB reads (one request per chunk),
     4 MiB reads (cache-sized) and, cold, 4 MiB reads with each thread's next chunk advised before
-    it reads a chunk or with :class:`tiering.page_cache.ReadAhead` (what the verifier does); warm,
-    every 8-byte word of a read-only mapping read by a reduction, no copy (as the verifier hashes a
-    cached file: a ``read()`` copy is not the limit there, as the hash in place beats it)."""
+    it reads a chunk or with :class:`tiering.page_cache.ReadAhead` (what the verifier does)."""
     plain = [(DEFAULT_CHUNK_BYTES, NO_ADVICE), (READ_BLOCK, NO_ADVICE)]
-    return plain + ([(READ_BLOCK, NEXT_CHUNK), (READ_BLOCK, READ_AHEAD)] if cold else [(0, MAPPED)])
-
-
-def pattern_name(block: int, advice: str) -> str:
-    return advice if advice == MAPPED else f"{block >> 20} MiB reads{advice}"
+    return plain + ([(READ_BLOCK, NEXT_CHUNK), (READ_BLOCK, READ_AHEAD)] if cold else [])
 
 
 class RawRead:
@@ -136,8 +127,7 @@ class RawRead:
         for block, advice in raw_patterns(self.cold):
             if self.cold:
                 self.settle()
-            read = _read_mapped if advice == MAPPED else _read_blocks
-            now[pattern_name(block, advice)] = read(self.path, self.threads, block, advice)
+            now[f"{block >> 20} MiB reads{advice}"] = _read_blocks(self.path, self.threads, block, advice)
         if rep >= 0:  # not the warm-up round
             for name, seconds in now.items():
                 self.times.setdefault(name, []).append(seconds)
@@ -166,7 +156,8 @@ def _read_blocks(path: Path, threads: int, block: int, advice: str, chunk: int =
     fd = os.open(path, os.O_RDONLY)
     try:
         buffers = threading.local()
-        with ReadAhead(fd, ranges if advice == READ_AHEAD else []) as ahead, ThreadPoolExecutor(threads) as pool:
+        plan = ranges if advice == READ_AHEAD else []
+        with ReadAhead(fd, plan, threads) as ahead, ThreadPoolExecutor(threads) as pool:
 
             def read(rng: tuple[int, int]) -> None:
                 buf = getattr(buffers, "buf", None) or memoryview(bytearray(block))
@@ -174,35 +165,16 @@ def _read_blocks(path: Path, threads: int, block: int, advice: str, chunk: int =
                 start, length = rng
                 if advice == NEXT_CHUNK:
                     os.posix_fadvise(fd, start + threads * chunk, chunk, os.POSIX_FADV_WILLNEED)
-                for pos in range(start, start + length, block):
-                    os.preadv(fd, [buf], pos)
-                ahead.done()
+                try:
+                    for pos in range(start, start + length, block):
+                        os.preadv(fd, [buf], pos)
+                finally:
+                    ahead.done()
 
             list(pool.map(read, ranges))
     finally:
         os.close(fd)
     return time.perf_counter() - t0
-
-
-def _read_mapped(path: Path, threads: int, block: int = 0, advice: str = MAPPED) -> float:
-    """``threads`` threads read every 8-byte word of the file's chunks in order through one
-    read-only mapping (an xor reduction: numpy releases the GIL and runs at memory speed)."""
-    size = path.stat().st_size
-    t0 = time.perf_counter()
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        _xor_words(mapped, size, threads)  # its arrays are gone before the mapping closes
-    return time.perf_counter() - t0
-
-
-def _xor_words(mapped: mmap.mmap, size: int, threads: int) -> None:
-    words = np.frombuffer(mapped, dtype=np.uint8)
-
-    def read(start: int) -> None:
-        part = words[start : min(start + DEFAULT_CHUNK_BYTES, size)]
-        np.bitwise_xor.reduce(part[: len(part) // 8 * 8].view(np.uint64))
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, range(0, size, DEFAULT_CHUNK_BYTES)))
 
 
 def tier_publish(
@@ -273,7 +245,7 @@ def measure_local(mb: int, repeats: int, work: Path, spec: HashSpec) -> dict[str
 
 
 _RSS_PROBE = """
-import json, resource, sys, torch
+import json, sys, torch
 from pathlib import Path
 from bench.io_numbers import STATE
 from pretrain.checkpointing.async_writer import save_state
@@ -286,15 +258,15 @@ for d in model.values():
     for t in d.values():
         t.zero_()  # the model's memory exists before the restore
 del shapes
-def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
-before = rss()
+def status_bytes(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field + ":")).split()[1]) * 1024
+before = status_bytes("VmRSS")
 verify_step(step_dir)
 loaded = load_verified_state(step_dir / STATE)
 for g, d in loaded.items():
     for k, t in d.items():
         model[g][k].copy_(t)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status_bytes("VmHWM")  # ru_maxrss would count the parent: exec keeps the old mm's high-water mark
 print(json.dumps({"before": before, "peak": peak}))
 """
 

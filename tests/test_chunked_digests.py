@@ -8,7 +8,6 @@ import hashlib
 import json
 import random
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from tiering.errors import ReplicaRejected, VerificationError
 from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME, Manifest
-from tiering.page_cache import ReadAhead, cached_bytes, evict
+from tiering.page_cache import cached_bytes, evict
 from tiering.peer_restore import PeerRecovery
 from tiering.publish import publish_received
 from tiering.remote import RemoteTier
@@ -87,8 +86,7 @@ def test_chunk_verification_equals_whole_file_verification(tmp_path: Path, name:
 def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_path: Path) -> None:
     """A verifier reads a cold file in blocks with the next chunks requested ahead of its readers
     and hashes a cached one in place through a mapping (tiering/digest.py): both give the same
-    digest, chunks of several reads included, a flipped byte is caught either way, and the
-    read-ahead fetches as far as its depth and no further."""
+    digest, chunks of several reads included, and a flipped byte is caught either way."""
     chunk = 2 * READ_BLOCK + 4097  # three reads per chunk, the last one short
     data = random.Random(5).randbytes(6 * chunk + 3)
     path = tmp_path / "f.bin"
@@ -101,19 +99,8 @@ def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_pa
         assert hash_file(path, spec) == expected, "hashed from a cold disk"
         warm = cached_bytes(fh.fileno(), 0, len(data))
         assert hash_file(path, spec) == expected, "hashed from the page cache"
-        ranges = [(i * chunk, chunk) for i in range(3)]
-        evict(path)
-        with ReadAhead(fh.fileno(), ranges, depth=2) as ahead:
-            deadline = time.monotonic() + 10
-            while cached_bytes(fh.fileno(), 0, 2 * chunk) not in (None, 2 * chunk) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            first_two = cached_bytes(fh.fileno(), 0, 2 * chunk)
-            third = cached_bytes(fh.fileno(), 2 * chunk, chunk)
-            ahead.done()
     if cold is not None:  # this kernel has cachestat(2): the reads above took the two paths
         assert cold < len(data) // 2 and warm == len(data), f"cached bytes: {cold} after eviction, {warm} after a read"
-        assert first_two == 2 * chunk, f"read-ahead of depth 2 fetched {first_two} of the first two chunks"
-        assert third is not None and third < chunk, "read-ahead ran past its depth before a chunk was done"
     corrupt = bytearray(data)
     corrupt[chunk + READ_BLOCK + 1] ^= 1  # in the second read of chunk 1
     path.write_bytes(bytes(corrupt))

@@ -19,7 +19,6 @@ files give equal digests whatever thread hashed which chunk.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import queue
 import threading
@@ -33,7 +32,7 @@ import blake3
 import xxhash
 
 from tiering.errors import VerificationError
-from tiering.page_cache import ReadAhead, is_cached
+from tiering.page_cache import ReadAhead
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # measured: bench/suite.py --chunk-sweep (README)
 LOCAL_HASH = "xxh3-128"
@@ -131,11 +130,12 @@ def _workers(threads: int) -> int:
 
 
 # -- hashing a file that exists -------------------------------------------------------------------
-# A file wholly in the page cache is hashed where its pages are, through a read-only mapping: no
-# copy (2 GB: 0.061 s against 0.070 s for a raw 4 MiB read() and 0.083 s for read + hash). Otherwise
-# every chunk is read in cache-sized blocks, hashed while they are still in the CPU's cache (a whole
-# 16 MiB chunk read at once is not: 1.7x the raw read), with a read-ahead thread keeping the next
-# chunks requested from the disk (tiering/page_cache.py; measured in README "Checkpoint I/O").
+# Every chunk is read in cache-sized blocks, hashed while they are still in the CPU's cache (a whole
+# 16 MiB chunk read at once is not: 1.7x the raw read from the page cache, 4 MiB blocks ~1.1x), with
+# a read-ahead thread keeping the next chunks requested from a cold disk (tiering/page_cache.py).
+# Hashing a cached file in place through a mapping was measured and not kept: 0.061 s against
+# 0.083 s per 2 GB when the pages came from writes, 0.17-0.25 s against 0.11 s when they came from
+# the read-ahead's advice (small folios: a page fault per 64 KiB; README "Checkpoint I/O").
 READ_BLOCK = 4 * 1024 * 1024
 _BUFFERS = threading.local()
 
@@ -149,9 +149,9 @@ def _thread_buffer() -> memoryview:
 
 
 def _hash_chunk(fd: int, name: str, start: int, length: int) -> str:
-    """Hash ``length`` bytes at ``start`` of ``fd``. ``pread`` and the hashes release the GIL, so
-    reads and hashes of different chunks overlap across threads. A file that shrank while being
-    read hashes short: no match."""
+    """Hash ``length`` bytes at ``start`` of ``fd`` in ``READ_BLOCK`` reads. ``pread`` and the hashes
+    release the GIL, so reads and hashes of different chunks overlap across threads. A file that
+    shrank while being read hashes short: no match."""
     h = new_hasher(name)
     view = _thread_buffer()
     pos = 0
@@ -166,11 +166,10 @@ def _hash_chunk(fd: int, name: str, start: int, length: int) -> str:
 
 
 def _hash_chunks(fd: int, name: str, ranges: list[tuple[int, int]], threads: int) -> list[str]:
-    """Digests of ``ranges`` (a file's chunks, in order, from offset 0), ``threads`` chunks at a time."""
-    size = sum(length for _, length in ranges)
-    if size and is_cached(fd, 0, size):
-        return _hash_mapped(fd, name, ranges, threads)
-    with ReadAhead(fd, ranges) as ahead, ThreadPoolExecutor(_workers(threads)) as pool:
+    """Digests of ``ranges`` (a file's chunks, in order), ``threads`` chunks at a time, the next
+    chunks requested from the disk ahead of the readers when the file is not all cached."""
+    workers = _workers(threads)
+    with ReadAhead(fd, ranges, workers) as ahead, ThreadPoolExecutor(workers) as pool:
 
         def one(rng: tuple[int, int]) -> str:
             try:
@@ -179,25 +178,6 @@ def _hash_chunks(fd: int, name: str, ranges: list[tuple[int, int]], threads: int
                 ahead.done()
 
         return list(pool.map(one, ranges))
-
-
-def _hash_mapped(fd: int, name: str, ranges: list[tuple[int, int]], threads: int) -> list[str]:
-    """Digests of ``ranges`` of a cached file, hashed in place through a read-only mapping (the
-    hashes release the GIL on it). The caller checked the size; a file truncated under the mapping
-    would fault (SIGBUS), as it would under the mapped ``torch.load`` that follows a verification:
-    published files are never rewritten in place."""
-    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
-        whole = memoryview(mapped)
-
-        def one(rng: tuple[int, int]) -> str:
-            with whole[rng[0] : rng[0] + rng[1]] as part:
-                return hash_bytes(name, part)
-
-        try:
-            with ThreadPoolExecutor(_workers(threads)) as pool:
-                return list(pool.map(one, ranges))
-        finally:
-            whole.release()
 
 
 def hash_file(path: Path, spec: HashSpec = DEFAULT_HASHING) -> ChunkedDigest:

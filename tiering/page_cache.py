@@ -1,16 +1,17 @@
-"""What the kernel's page cache holds of a file, and asking it to fetch what a reader needs next.
+"""What the kernel's page cache holds of a file, and asking it to fetch what readers need next.
 
-A verifier reads every chunk in cache-sized 4 MiB blocks, hashed while they are still in the CPU's
-cache (16 MiB reads took 1.7x the raw read from the page cache). On a cold disk small reads alone
-wait for the kernel's read-ahead window, so :class:`ReadAhead` keeps the next chunks requested
-(``posix_fadvise(WILLNEED)``: the kernel allocates their pages and starts one large fetch each)
-from a thread of its own, a few chunks ahead of the readers: pages are allocated and fetched while
-the readers hash. Measured on the CI VM (2 GB, 2 readers, README "Checkpoint I/O"), that pattern
-was the fastest raw read both right after an eviction and once the host had taken the freed memory
-back, where one 16 MiB request per chunk, the pattern this module chose before, swung from fastest
-to slowest. Whether pages are cached is asked with ``cachestat(2)`` (Linux 6.5), which only counts
-pages (a probe that reads, ``preadv2(RWF_NOWAIT)``, starts read-ahead of its own on a miss: 0.15 s
-per 2 GB). Where the kernel lacks it the answer is "unknown", which callers treat as cold.
+A verifier (``tiering.digest``) hashes a file wholly in the page cache in place, through a mapping,
+and reads any other in cache-sized 4 MiB blocks. Small reads alone wait for the kernel's read-ahead
+window, so :class:`ReadAhead` keeps the next chunks requested from a thread of its own
+(``posix_fadvise(WILLNEED)``: the kernel allocates the pages and starts fetching them; one call
+fetches at most the device's window, so the advice goes out in pieces of it): pages are allocated
+and fetched while the readers hash. Measured on the CI VM (2 GB, 2 readers, README "Checkpoint
+I/O"), that pattern was among the fastest raw reads both right after an eviction and once the host
+had taken the freed memory back, where one 16 MiB request per chunk, the pattern chosen before,
+swung from fastest to slowest. Whether pages are cached is asked with ``cachestat(2)`` (Linux 6.5),
+which only counts pages (a probe that reads, ``preadv2(RWF_NOWAIT)``, starts read-ahead of its own
+on a miss: 0.15 s per 2 GB). Where the kernel lacks it the answer is "unknown", which callers treat
+as cold.
 """
 
 from __future__ import annotations
@@ -78,46 +79,58 @@ def evict(path: Path) -> None:
 
 
 SYS_DEV_BLOCK = Path("/sys/dev/block")
-KERNEL_DEFAULT_WINDOW = 128 * 1024  # read_ahead_kb when a device's queue cannot be read
+SYS_BDI = Path("/sys/class/bdi")
+KERNEL_DEFAULT_WINDOW = 128 * 1024  # read_ahead_kb when neither the bdi nor a queue can be read
+
+
+def _kb(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 @functools.lru_cache(maxsize=64)
-def advice_bytes(device: int, sys_block: Path = SYS_DEV_BLOCK) -> int:
+def advice_bytes(device: int, sys_block: Path = SYS_DEV_BLOCK, sys_bdi: Path = SYS_BDI) -> int:
     """The most one ``WILLNEED`` call on a file of ``device`` fetches: the kernel caps each call at
-    the device's read-ahead window or its largest request, whichever is larger (``force_page_cache_ra``;
-    measured here: a 16 MiB advice fetched 8 MiB, ``read_ahead_kb`` 8192). Read from the queue of
-    the disk (a partition's parent); the kernel's default window where there is none (network and
-    virtual file systems)."""
-    node = sys_block / f"{os.major(device)}:{os.minor(device)}"
-    for queue in (node / "queue", node / ".." / "queue"):
-        try:
-            kb = [int((queue / name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb")]
-        except (OSError, ValueError):
-            continue
-        return max(max(kb) * 1024, 4096)
+    the larger of the backing device's read-ahead window and its largest request
+    (``force_page_cache_ra``; measured here: a 16 MiB advice fetched 8 MiB, ``read_ahead_kb``
+    8192). The window is the device's bdi (whole disks, NFS, FUSE); a partition has none of its own
+    and uses its disk's queue; the kernel's default where neither can be read (btrfs, overlayfs)."""
+    name = f"{os.major(device)}:{os.minor(device)}"
+    node = sys_block / name
+    for window, largest in (
+        (sys_bdi / name / "read_ahead_kb", node / "queue" / "max_sectors_kb"),
+        (node / "queue" / "read_ahead_kb", node / "queue" / "max_sectors_kb"),
+        (node / ".." / "queue" / "read_ahead_kb", node / ".." / "queue" / "max_sectors_kb"),
+    ):
+        kb = _kb(window)
+        if kb is not None:
+            return max(kb, _kb(largest) or 0, 4) * 1024
     return KERNEL_DEFAULT_WINDOW
 
 
-READ_AHEAD_CHUNKS = 4  # chunks requested ahead of the readers: 64 MiB of 16 MiB chunks (measured, README)
+READ_AHEAD_CHUNKS = 2  # chunks requested beyond those being read: 32 MiB of 16 MiB chunks (README)
 
 
 class ReadAhead:
-    """While open, a thread asks the kernel for the chunks ``ranges`` of ``fd`` in order, at most
-    ``depth`` beyond those the readers reported :meth:`done` (chunks are handed to readers in the
-    same order), skipping chunks already cached. A file wholly in the page cache starts no thread.
-    Advice only: a reader that outruns it reads as it would without it, and its errors are ignored
-    (an advisory call on a file that is being truncated says nothing about the bytes read)."""
+    """While open, a thread asks the kernel for the chunks ``ranges`` of ``fd`` (consecutive, in
+    the order they are handed to ``readers`` readers), at most ``readers + depth`` beyond those the
+    readers reported :meth:`done`: the chunks being read and ``depth`` more. Chunks already cached
+    are skipped; a file wholly in the page cache, or a system without ``posix_fadvise``, starts no
+    thread. Advice only: a reader that outruns it reads as it would without it, and its errors are
+    ignored (an advisory call on a file that is being truncated says nothing about the bytes read)."""
 
-    def __init__(self, fd: int, ranges: list[tuple[int, int]], depth: int = READ_AHEAD_CHUNKS) -> None:
+    def __init__(self, fd: int, ranges: list[tuple[int, int]], readers: int, depth: int = READ_AHEAD_CHUNKS) -> None:
         self._fd, self._ranges = fd, ranges
-        self._budget = threading.Semaphore(depth)
+        self._budget = threading.Semaphore(max(0, readers) + depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._piece = advice_bytes(os.fstat(fd).st_dev)
 
     def __enter__(self) -> ReadAhead:
         total = sum(length for _, length in self._ranges)
-        if self._ranges and not is_cached(self._fd, self._ranges[0][0], total):
+        if self._ranges and hasattr(os, "posix_fadvise") and not is_cached(self._fd, self._ranges[0][0], total):
             self._thread = threading.Thread(target=self._advise, name="read-ahead", daemon=True)
             self._thread.start()
         return self
