@@ -1,8 +1,8 @@
 """What the kernel's page cache holds of a file, and asking it to fetch what readers need next.
 
-A verifier (``tiering.digest``) hashes a file wholly in the page cache in place, through a mapping,
-and reads any other in cache-sized 4 MiB blocks. Small reads alone wait for the kernel's read-ahead
-window, so :class:`ReadAhead` keeps the next chunks requested from a thread of its own
+A verifier (``tiering.digest``) reads every file in cache-sized 4 MiB blocks. From a cold disk
+small reads alone wait for the kernel's read-ahead window, so :class:`ReadAhead` keeps the next
+chunks requested from a thread of its own
 (``posix_fadvise(WILLNEED)``: the kernel allocates the pages and starts fetching them; one call
 fetches at most the device's window, so the advice goes out in pieces of it): pages are allocated
 and fetched while the readers hash. Measured on the CI VM (2 GB, 2 readers, README "Checkpoint
