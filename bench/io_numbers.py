@@ -55,7 +55,7 @@ from bench.pairs import alternate
 from pretrain.checkpointing.async_writer import save_state
 from pretrain.checkpointing.per_rank import load_verified_state
 from tiering.collective import SingleProcess, TorchCollective
-from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec
+from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec, chunk_count, chunk_range
 from tiering.fsio import fsync_dir, write_file_durably
 from tiering.layout import RunLayout
 from tiering.page_cache import ReadAhead, cached_bytes, evict
@@ -151,7 +151,7 @@ def _read_blocks(path: Path, threads: int, block: int, advice: str, chunk: int =
     """``threads`` threads read the file's chunks in order, each in ``block``-sized reads, as the
     verifier hands them out (``advice``: see :func:`raw_patterns`)."""
     size = path.stat().st_size
-    ranges = [(start, min(chunk, size - start)) for start in range(0, size, chunk)]
+    ranges = [chunk_range(i, size, chunk) for i in range(chunk_count(size, chunk))]
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
