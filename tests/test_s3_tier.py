@@ -100,7 +100,13 @@ def _corrupt_remote(remote: RemoteTier, step: int, rel: str, data: bytes) -> Non
 
 @pytest.mark.parametrize(
     "fault",
-    ["overwritten object", "manifest without COMMITTED", "manifest path with ..", "latest.json names a missing step"],
+    [
+        "overwritten object",
+        "deleted object",
+        "manifest without COMMITTED",
+        "manifest path with ..",
+        "latest.json names a missing step",
+    ],
 )
 def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_path: Path, fault: str) -> None:
     staging = tmp_path / "staging"
@@ -113,6 +119,8 @@ def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_pa
     expect = 10
     if fault == "overwritten object":
         _corrupt_remote(remote, 20, "model/__1_0.distcp", os.urandom(300_000))
+    elif fault == "deleted object":
+        remote.store.delete([remote.step_key(20, "model/__1_0.distcp")])
     elif fault == "manifest without COMMITTED":
         remote.store.delete([remote.step_key(20, "COMMITTED")])
     elif fault == "manifest path with ..":
@@ -133,6 +141,8 @@ def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_pa
             assert "\n" not in rejected[0][1]
         if fault == "overwritten object":
             assert "__1_0.distcp" in rejected[0][1] and "chunk 0 of 1" in rejected[0][1]
+        if fault == "deleted object":
+            assert "__1_0.distcp" in rejected[0][1] and "object is missing" in rejected[0][1], rejected
         if fault == "manifest path with ..":
             assert "escapes" in rejected[0][1]
     assert not (tmp_path / "back" / RUN / "steps" / "step-000000020").exists() or expect == 20

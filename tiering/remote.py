@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiering.digest import bad_chunk_reason, chunk_range, hash_bytes
+from tiering.digest import bad_chunk_reason, chunk_range, new_hasher
 from tiering.errors import CheckpointError, VerificationError
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
@@ -226,15 +226,20 @@ class RemoteTier:
     # -- download / restore ----------------------------------------------------------------------
     def read_manifest(self, step: int) -> tuple[Manifest, bytes]:
         where = self.where(self.step_key(step, MANIFEST_NAME))
+        # Two independent small GETs, sent together: a restore waits one first-byte latency of the
+        # store for them, not two.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            marker_get = pool.submit(self.store.get_bytes, self.step_key(step, COMMITTED_NAME))
+            manifest_get = pool.submit(self.store.get_bytes, self.step_key(step, MANIFEST_NAME))
         try:
-            marker, _ = self.store.get_bytes(self.step_key(step, COMMITTED_NAME))
+            marker, _ = marker_get.result()
         except KeyError as exc:
             raise VerificationError(
                 self.where(self.step_key(step, COMMITTED_NAME)),
                 "COMMITTED object is missing: the upload never finished",
             ) from exc
         try:
-            raw, _ = self.store.get_bytes(self.step_key(step, MANIFEST_NAME))
+            raw, _ = manifest_get.result()
         except KeyError as exc:
             raise VerificationError(where, "manifest.json object is missing") from exc
         manifest = Manifest.from_json(raw, where)
@@ -250,8 +255,8 @@ class RemoteTier:
     def download_step(self, step: int, layout: RunLayout, attempt: str) -> Path:
         """Download, verify every byte, and publish the step locally under ``layout``.
 
-        Format v2: every digest chunk is one ranged GET, checked as it arrives (several in
-        parallel) and written once at its offset; nothing is read back. Format v1: whole objects,
+        Format v2: every digest chunk is one ranged GET, hashed and written at its offset piece by
+        piece as it arrives (several in parallel); nothing is read back. Format v1: whole objects,
         then one SHA-256 pass.
         """
         manifest, raw = self.read_manifest(step)
@@ -301,8 +306,10 @@ class RemoteTier:
             list(pool.map(fetch, [f.path for f in manifest.files]))
 
     def _fetch_chunks(self, step: int, tmp: Path, manifest: Manifest) -> None:
-        """Ranged GETs of every chunk, ``download_concurrency`` at a time, each checked against its
-        digest before it is written; the first bad chunk fails the step, naming object and chunk."""
+        """Ranged GETs of every chunk, ``download_concurrency`` at a time, each hashed and written
+        piece by piece as it arrives; the first bad chunk fails the step, naming object and chunk.
+        Bytes land in ``tmp`` before their chunk is checked: nothing there is read until the whole
+        step has verified and is published, and a failed step's ``tmp`` is removed."""
         fds: dict[str, int] = {}
         try:
             for entry in manifest.files:
@@ -314,14 +321,8 @@ class RemoteTier:
 
             def fetch(job: tuple[FileEntry, int]) -> str | None:
                 entry, index = job
-                start, length = chunk_range(index, entry.bytes, entry.chunk_bytes)
-                data = self.store.get_range(self.step_key(step, entry.path), start, length)
-                if len(data) != length:
-                    return f"{entry.path}\0chunk {index}: {len(data)} bytes received, {length} expected (truncated)"
-                if hash_bytes(entry.hash, data) != entry.chunks[index]:
-                    return f"{entry.path}\0{bad_chunk_reason(index, len(entry.chunks), entry.bytes, entry.chunk_bytes)}"
-                os.pwrite(fds[entry.path], data, start)
-                return None
+                reason = self._fetch_chunk(step, entry, index, fds[entry.path])
+                return None if reason is None else f"{entry.path}\0{reason}"
 
             with ThreadPoolExecutor(max_workers=self.download_concurrency) as pool:
                 bad = next((b for b in pool.map(fetch, jobs) if b is not None), None)
@@ -333,6 +334,26 @@ class RemoteTier:
             raise VerificationError(
                 self.where(self.step_key(step, rel)), reason, "the step is skipped; an older verified step is used"
             )
+
+    def _fetch_chunk(self, step: int, entry: FileEntry, index: int, fd: int) -> str | None:
+        """Chunk ``index`` of ``entry`` into ``fd`` at its offset; what is wrong with it, or None."""
+        start, length = chunk_range(index, entry.bytes, entry.chunk_bytes)
+        hasher = new_hasher(entry.hash)
+        offset = start
+        try:
+            for piece in self.store.iter_range(self.step_key(step, entry.path), start, length):
+                piece = piece[: start + length - offset]  # a server that overruns the range cannot write past it
+                hasher.update(piece)
+                os.pwrite(fd, piece, offset)
+                offset += len(piece)
+        except KeyError:
+            return "object is missing (the manifest lists it)"
+        received = offset - start
+        if received != length:
+            return f"chunk {index}: {received} bytes received, {length} expected (truncated)"
+        if hasher.hexdigest() != entry.chunks[index]:
+            return bad_chunk_reason(index, len(entry.chunks), entry.bytes, entry.chunk_bytes)
+        return None
 
     def restore_newest(
         self, layout: RunLayout, attempt: str, exclude: set[int] | frozenset[int] = frozenset()
