@@ -31,7 +31,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 test: venv sysdeps lint
-	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q tests
+	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q --durations=15 tests
 
 test-fast: venv
 	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q tests -m "not slow"

@@ -19,7 +19,7 @@
   tier 1-2 recovery (plan, verify while reading, stream, check chunks on arrival and write them
   into the new file, publish, load) / rank 0 reading the same bytes in the same pieces and sending
   each while it reads the next, rank 1 receiving them and writing every piece into a new file (the
-  restore's landing, nothing checked: what ``download_file`` is to an S3 restore); and a second
+  restore's landing, nothing checked: what the unverified ranged GETs are to an S3 restore); and a second
   pair against the wire alone (rank 1 receiving into memory that exists, ``wire``). Before every
   run the replica leaves rank 0's page cache, the copy the run before left is removed and the
   bench waits as :mod:`bench.memory_state` says.

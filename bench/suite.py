@@ -10,7 +10,7 @@ flagged as a measurement problem, never counted as met. For each state size (def
 * restore: verify every chunk + load the verified file / a raw read of the same bytes on as many
   threads, page cache evicted (<= 1.2x) and warm (<= 2x); peak restore RSS / state size (<= 1.3);
 * peer restore: tier 1-2 recovery from a peer's replica / the same bytes read and sent raw and
-  written into a new file on the restoring node, as ``download_file`` lands an S3 object
+  written into a new file on the restoring node, as the raw S3 ranged GETs land an object
   (<= 1.3x); beside it, against the wire alone (received into memory that exists, no target: the
   difference is the machine's cost of new memory, which every restore pays);
 * the pairs that land bytes in new memory (publish, cold restore, peer restore) start every run

@@ -11,8 +11,11 @@ import boto3
 import pytest
 import torch
 
+from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
 from tiering.collective import SingleProcess
+from tiering.digest import PORTABLE_HASH, HashSpec
+from tiering.errors import ObjectStoreError, TransferInterrupted
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
 from tiering.objectstore import PreconditionFailed, open_store
@@ -67,6 +70,77 @@ def test_conditional_writes(remote_uri: tuple[str, str | None]) -> None:
     with pytest.raises(PreconditionFailed):
         store.put_bytes("ckpt/x.json", b"3", if_match=etag)  # a second writer with the stale ETag loses
     assert store.get_bytes("ckpt/x.json") == (b"2", new)
+
+
+def test_ranged_reads_arrive_in_pieces_and_stop_at_the_object_end(remote_uri: tuple[str, str | None]) -> None:
+    store, _ = open_store(*remote_uri)
+    data = os.urandom(1_000_003)
+    store.put_bytes("ckpt/obj", data)
+    pieces = list(store.iter_range("ckpt/obj", 10, 500_000, piece_bytes=65_536))
+    assert b"".join(pieces) == data[10:500_010] and max(map(len, pieces)) <= 65_536 and len(pieces) >= 8
+    assert b"".join(store.iter_range("ckpt/obj", 999_990, 4096)) == data[999_990:]  # short: the object ends
+    assert list(store.iter_range("ckpt/obj", len(data), 4096)) == []  # past the end (S3: HTTP 416)
+    missing = store.iter_range("ckpt/none", 0, 10)
+    with pytest.raises(KeyError):
+        next(missing)
+
+
+def _chunked_step(staging: Path, step: int, size: int) -> Path:
+    """A published step whose one data file has many BLAKE3 chunks (one ranged GET each)."""
+    layout = RunLayout(staging, RUN)
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH, 256 * 1024, 2))
+    tmp = pub.begin(step)
+    (tmp / "model").mkdir()
+    (tmp / "model" / "__0_0.distcp").write_bytes(os.urandom(size))
+    pub.commit(tmp, manifest_for(RUN, step, 1, {"tp": 1, "pp": 1, "dp": 1}))
+    return layout.step_dir(step)
+
+
+def test_ranged_gets_broken_off_mid_body_are_asked_again(s3_endpoint: str, bucket: str, tmp_path: Path) -> None:
+    """A proxy on the server's side resets connections half-way through chunk bodies: a restore
+    asks each broken chunk again (fresh hash, same offset) and lands every byte; when the chunk
+    keeps breaking, the restore fails in one line naming the object and publishes nothing."""
+    step_dir = _chunked_step(tmp_path / "staging", 10, 2_000_000)
+    RemoteTier.open(f"s3://{bucket}/ckpt", RUN, endpoint_url=s3_endpoint).upload_step(step_dir)
+    proxy = FaultProxy("127.0.0.1", s3_endpoint)
+    try:
+        remote = RemoteTier.open(f"s3://{bucket}/ckpt", RUN, endpoint_url=proxy.url, concurrency=4)
+        proxy.cut_bodies(2)  # fewer than FETCH_ATTEMPTS, however they fall on the chunks
+        back = RunLayout(tmp_path / "back", RUN)
+        assert remote.restore_newest(back, "r") == (10, [])
+        assert proxy.counts["cut"] == 2, proxy.counts
+        data = back.step_dir(10) / "model" / "__0_0.distcp"
+        assert data.read_bytes() == (step_dir / "model" / "__0_0.distcp").read_bytes()
+        verify_step(back.step_dir(10), expect_run_id=RUN)
+
+        proxy.cut_bodies(1000)
+        again = RunLayout(tmp_path / "again", RUN)
+        with pytest.raises(TransferInterrupted, match=r"__0_0\.distcp: body broke off after \d+ of \d+ bytes") as err:
+            remote.restore_newest(again, "r")
+        assert "\n" not in str(err.value) and "fix:" in str(err.value)
+        assert not again.step_dir(10).exists()
+    finally:
+        proxy.close()
+
+
+def test_a_store_that_ignores_ranges_is_named_not_taken_for_corruption(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """206 rewritten to 200 (as a proxy without range support answers): the restore stops with the
+    endpoint named and the fix; the step is not rejected as corrupt and nothing is published."""
+    step_dir = _chunked_step(tmp_path / "staging", 10, 600_000)
+    RemoteTier.open(f"s3://{bucket}/ckpt", RUN, endpoint_url=s3_endpoint).upload_step(step_dir)
+    proxy = FaultProxy("127.0.0.1", s3_endpoint)
+    try:
+        proxy.answer_ranges_with_200()
+        remote = RemoteTier.open(f"s3://{bucket}/ckpt", RUN, endpoint_url=proxy.url)
+        back = RunLayout(tmp_path / "back", RUN)
+        with pytest.raises(ObjectStoreError, match="got HTTP 200.*fix: the endpoint .* must honour Range") as err:
+            remote.restore_newest(back, "r")
+        assert "\n" not in str(err.value) and proxy.counts["range_200"] >= 1
+        assert not back.step_dir(10).exists()
+    finally:
+        proxy.close()
 
 
 def test_upload_then_restore_verifies_every_byte(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:

@@ -29,3 +29,16 @@ class NoVerifiedCheckpoint(CheckpointError):
 
 class ReplicaRejected(VerificationError):
     """A copy received from a peer does not match its manifest (or the run/step it claims)."""
+
+
+class ObjectStoreError(RuntimeError):
+    """The store is unreachable or refused a request; ``str(err)`` is one line."""
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A conditional write lost: the object exists (If-None-Match) or changed (If-Match)."""
+
+
+class TransferInterrupted(ObjectStoreError):
+    """A response body broke off before its end (connection reset, read timeout, short body): the
+    request can be made again; what arrived of it must be discarded."""

@@ -24,17 +24,11 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from tiering.errors import ObjectStoreError, PreconditionFailed, TransferInterrupted
+
 # A ranged GET is consumed in pieces this size: each piece is hashed and written while it is still in
 # the CPU's cache, and eight downloads in flight hold 8 MiB of buffers, not eight whole chunks.
 RANGE_PIECE_BYTES = 1024 * 1024
-
-
-class ObjectStoreError(RuntimeError):
-    """The store is unreachable or refused a request; ``str(err)`` is one line."""
-
-
-class PreconditionFailed(ObjectStoreError):
-    """A conditional write lost: the object exists (If-None-Match) or changed (If-Match)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +56,9 @@ class ObjectStore(Protocol):
 
     def iter_range(self, key: str, start: int, length: int, piece_bytes: int = RANGE_PIECE_BYTES) -> Iterator[bytes]:
         """Bytes ``[start, start + length)`` of the object (one ranged GET), as they arrive, in pieces
-        of at most ``piece_bytes``; fewer bytes in all if the object is shorter. KeyError if it is
-        missing; a failure mid-body raises ObjectStoreError naming the key."""
+        of at most ``piece_bytes``; fewer bytes in all if the object is shorter. Raised when the
+        first piece is asked for: KeyError if the object is missing, ObjectStoreError if the store
+        fails or does not honour the range; later, TransferInterrupted if the body breaks off."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None: ...
@@ -204,13 +199,44 @@ class S3Store:
     def iter_range(self, key: str, start: int, length: int, piece_bytes: int = RANGE_PIECE_BYTES) -> Iterator[bytes]:
         if length == 0:
             return
-        with self._errors(key):
-            resp = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
-            body = resp["Body"]
-            try:
-                yield from body.iter_chunks(piece_bytes)
-            finally:
-                body.close()  # a consumer that stops early must not leave the connection half-read
+        body = self._ranged_body(key, start, length)
+        if body is None:
+            return
+        received = 0
+        try:
+            for piece in body.iter_chunks(piece_bytes):
+                received += len(piece)
+                yield piece
+        except Exception as exc:
+            # botocore wraps a reset or a timeout mid-body (ResponseStreamingError, ReadTimeoutError,
+            # IncompleteReadError); urllib3 lets TLS and decoding errors through unwrapped.
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise TransferInterrupted(
+                f"{self.url}/{key}: body broke off after {received} of {length} bytes: "
+                f"{type(exc).__name__}: {first}; fix: check the network to checkpoint.s3.endpoint_url"
+            ) from exc
+        finally:
+            body.close()  # a consumer that stops early must not leave the connection half-read
+
+    def _ranged_body(self, key: str, start: int, length: int) -> Any:
+        """The body of ``GET key`` for bytes ``[start, start + length)``; None if the range starts
+        at or past the object's end (HTTP 416: no bytes, the caller reports the object short)."""
+        span = f"bytes={start}-{start + length - 1}"
+        try:
+            with self._errors(key):
+                resp = self.client.get_object(Bucket=self.bucket, Key=key, Range=span)
+        except ObjectStoreError as exc:
+            if getattr(exc.__cause__, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                return None
+            raise
+        status, got = resp["ResponseMetadata"]["HTTPStatusCode"], resp.get("ContentRange", "")
+        if status != 206 or not got.startswith(f"bytes {start}-"):
+            resp["Body"].close()
+            raise ObjectStoreError(
+                f"{self.url}/{key}: asked for {span}, got HTTP {status} {got!r}; fix: the endpoint "
+                "(or a proxy in front of it) must honour Range requests"
+            )
+        return resp["Body"]
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
@@ -367,7 +393,10 @@ class FileStore:
         with open(path, "rb", buffering=0) as fh:
             end = start + length
             while start < end:
-                piece = os.pread(fh.fileno(), min(piece_bytes, end - start), start)
+                try:
+                    piece = os.pread(fh.fileno(), min(piece_bytes, end - start), start)
+                except OSError as exc:
+                    raise TransferInterrupted(f"{self.url}/{key}: read failed at byte {start}: {exc}") from exc
                 if not piece:
                     return
                 start += len(piece)

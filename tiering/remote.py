@@ -22,12 +22,12 @@ import os
 import shutil
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.digest import bad_chunk_reason, chunk_range, new_hasher
-from tiering.errors import CheckpointError, VerificationError
+from tiering.errors import CheckpointError, TransferInterrupted, VerificationError
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
@@ -36,6 +36,7 @@ from tiering.retention import ObjectStoreRetention, StepView
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 log = logging.getLogger(__name__)
+FETCH_ATTEMPTS = 3  # requests per chunk when its body breaks off mid-way (reset, read timeout)
 
 
 class LeaseError(CheckpointError):
@@ -307,47 +308,59 @@ class RemoteTier:
 
     def _fetch_chunks(self, step: int, tmp: Path, manifest: Manifest) -> None:
         """Ranged GETs of every chunk, ``download_concurrency`` at a time, each hashed and written
-        piece by piece as it arrives; the first bad chunk fails the step, naming object and chunk.
-        Bytes land in ``tmp`` before their chunk is checked: nothing there is read until the whole
-        step has verified and is published, and a failed step's ``tmp`` is removed."""
+        piece by piece as it arrives; the first bad chunk fails the step, naming object and chunk,
+        and the chunks not yet started are dropped. Bytes land in ``tmp`` before their chunk is
+        checked: nothing there is read until the whole step has verified and is published, and a
+        failed step's ``tmp`` is removed."""
         fds: dict[str, int] = {}
+        bad: tuple[str, str] | None = None
         try:
             for entry in manifest.files:
                 dst = tmp / entry.path
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 fds[entry.path] = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 os.ftruncate(fds[entry.path], entry.bytes)
-            jobs = [(f, i) for f in manifest.files for i in range(len(f.chunks))]
-
-            def fetch(job: tuple[FileEntry, int]) -> str | None:
-                entry, index = job
-                reason = self._fetch_chunk(step, entry, index, fds[entry.path])
-                return None if reason is None else f"{entry.path}\0{reason}"
-
             with ThreadPoolExecutor(max_workers=self.download_concurrency) as pool:
-                bad = next((b for b in pool.map(fetch, jobs) if b is not None), None)
+                futures = [
+                    (entry.path, pool.submit(self._fetch_chunk, step, entry, index, fds[entry.path]))
+                    for entry in manifest.files
+                    for index in range(len(entry.chunks))
+                ]
+                try:
+                    bad = _first_bad(futures)
+                finally:
+                    pool.shutdown(wait=True, cancel_futures=True)  # after a bad chunk or an error: stop
         finally:
             for fd in fds.values():
                 os.close(fd)
         if bad is not None:
-            rel, reason = bad.split("\0", 1)
             raise VerificationError(
-                self.where(self.step_key(step, rel)), reason, "the step is skipped; an older verified step is used"
+                self.where(self.step_key(step, bad[0])), bad[1], "the step is skipped; an older verified step is used"
             )
 
     def _fetch_chunk(self, step: int, entry: FileEntry, index: int, fd: int) -> str | None:
-        """Chunk ``index`` of ``entry`` into ``fd`` at its offset; what is wrong with it, or None."""
+        """Chunk ``index`` of ``entry`` into ``fd`` at its offset; what is wrong with it, or None.
+        A body that breaks off is asked for again from the chunk's start (``FETCH_ATTEMPTS`` in
+        all, as boto3's ``download_file`` retries a part), with a fresh hash."""
         start, length = chunk_range(index, entry.bytes, entry.chunk_bytes)
-        hasher = new_hasher(entry.hash)
-        offset = start
-        try:
-            for piece in self.store.iter_range(self.step_key(step, entry.path), start, length):
-                piece = piece[: start + length - offset]  # a server that overruns the range cannot write past it
-                hasher.update(piece)
-                os.pwrite(fd, piece, offset)
-                offset += len(piece)
-        except KeyError:
-            return "object is missing (the manifest lists it)"
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            hasher = new_hasher(entry.hash)
+            offset = start
+            try:
+                for piece in self.store.iter_range(self.step_key(step, entry.path), start, length):
+                    piece = piece[: start + length - offset]  # a server that overruns the range cannot write past it
+                    hasher.update(piece)
+                    os.pwrite(fd, piece, offset)
+                    offset += len(piece)
+                    if offset == start + length:
+                        break
+                break
+            except KeyError:
+                return f"chunk {index}: object is missing (the manifest lists it)"
+            except TransferInterrupted as exc:
+                if attempt == FETCH_ATTEMPTS:
+                    raise
+                log.warning("%s; chunk %s asked for again (attempt %s of %s)", exc, index, attempt + 1, FETCH_ATTEMPTS)
         received = offset - start
         if received != length:
             return f"chunk {index}: {received} bytes received, {length} expected (truncated)"
@@ -429,3 +442,12 @@ class RemoteTier:
             return {int(k): float(v) for k, v in json.loads(raw).items()}
         except (KeyError, ValueError):
             return {}
+
+
+def _first_bad(futures: list[tuple[str, Future[str | None]]]) -> tuple[str, str] | None:
+    """(file, reason) of the first chunk, in order, whose fetch found something wrong."""
+    for rel, future in futures:
+        reason = future.result()
+        if reason is not None:
+            return rel, reason
+    return None

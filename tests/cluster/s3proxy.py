@@ -10,7 +10,12 @@ discards the truncated part), a connection reset (RST right after the request he
 SlowDown`` (the S3 throttling error, with its XML body); in its second half every request gets
 ``503 SlowDown`` or, one in five, a reset.
 
-Nothing here runs in the client: the uploader under test sees only what a throttling store sends.
+Outside a burst, two faults of a restore's ranged GETs can be asked for: :meth:`FaultProxy.cut_bodies`
+breaks the next ``n`` ranged GET responses off half-way through their body (then resets the
+connection), and :meth:`FaultProxy.answer_ranges_with_200` rewrites their ``206 Partial Content``
+to ``200 OK``, as a proxy or cache that does not support ranges answers.
+
+Nothing here runs in the client: the code under test sees only what a faulty store sends.
 :attr:`FaultProxy.counts` says how many of each fault were injected.
 """
 
@@ -80,11 +85,13 @@ class FaultProxy:
         up = urlparse(upstream_url)
         self.upstream = (up.hostname or "127.0.0.1", up.port or 80)
         self.stall_s = stall_s
-        self.counts = {"passed": 0, "slowdown": 0, "reset": 0, "stall": 0}
+        self.counts = {"passed": 0, "slowdown": 0, "reset": 0, "stall": 0, "cut": 0, "range_200": 0}
         self.requests: list[tuple[float, str, str]] = []  # (time, fault, request line)
         self._burst_until = 0.0
         self._burst_s = 0.0
         self._turn = 0
+        self._cuts_left = 0
+        self._ranges_200 = False
         self._lock = threading.Lock()
         proxy = self
 
@@ -104,6 +111,15 @@ class FaultProxy:
         self._burst_s = seconds
         self._burst_until = time.monotonic() + seconds
 
+    def cut_bodies(self, n: int) -> None:
+        """Break the next ``n`` ranged GET responses off half-way through their body."""
+        with self._lock:
+            self._cuts_left = n
+
+    def answer_ranges_with_200(self, on: bool = True) -> None:
+        """Rewrite the status of ranged GET responses from 206 to 200 (the body is unchanged)."""
+        self._ranges_200 = on
+
     def in_burst(self) -> bool:
         return time.monotonic() < self._burst_until
 
@@ -111,10 +127,15 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
 
-    def _choose(self, first: str) -> str:
+    def _choose(self, first: str, pairs: list[tuple[str, str]]) -> str:
         now = time.monotonic()
         if now >= self._burst_until:
-            return "passed"
+            ranged = first.startswith("GET") and any(k.lower() == "range" for k, _ in pairs)
+            with self._lock:
+                if ranged and self._cuts_left > 0:
+                    self._cuts_left -= 1
+                    return "cut"
+            return "range_200" if ranged and self._ranges_200 else "passed"
         with self._lock:
             self._turn += 1
             turn = self._turn
@@ -130,7 +151,7 @@ class FaultProxy:
             if not head:
                 return
             first, pairs = _headers(head)
-            kind = self._choose(first)
+            kind = self._choose(first, pairs)
             with self._lock:
                 self.counts[kind] += 1
                 self.requests.append((time.time(), kind, first[:160]))
@@ -147,7 +168,7 @@ class FaultProxy:
             if expects:
                 conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = _recv_exact(conn, length, rest)
-            self._forward(conn, _with_close(first, pairs, ("expect",)), body, stall=kind == "stall")
+            self._forward(conn, _with_close(first, pairs, ("expect",)), body, kind)
         except (OSError, ValueError, ConnectionError):
             _reset(conn)
         finally:
@@ -161,10 +182,10 @@ class FaultProxy:
             + SLOWDOWN_BODY
         )
 
-    def _forward(self, conn: socket.socket, head: bytes, body: bytes, stall: bool) -> None:
+    def _forward(self, conn: socket.socket, head: bytes, body: bytes, kind: str) -> None:
         up = socket.create_connection(self.upstream, timeout=120)
         try:
-            if stall:
+            if kind == "stall":
                 up.sendall(head + body[: len(body) // 2])
                 time.sleep(self.stall_s)
                 _reset(up)
@@ -176,7 +197,15 @@ class FaultProxy:
                 _reset(conn)
                 return
             first, pairs = _headers(resp_head)
-            conn.sendall(_with_close(first, pairs) + rest)
+            if kind == "range_200":
+                first = first.replace(" 206 Partial Content", " 200 OK")
+            conn.sendall(_with_close(first, pairs))
+            if kind == "cut":
+                length = next((int(v) for k, v in pairs if k.lower() == "content-length"), 0)
+                conn.sendall(_recv_exact(up, length // 2, rest)[: length // 2])
+                _reset(conn)
+                return
+            conn.sendall(rest)
             while chunk := up.recv(1 << 20):
                 conn.sendall(chunk)
         finally:
