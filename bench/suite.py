@@ -310,7 +310,7 @@ def main() -> int:
     parser.add_argument("--trainer-steps", type=int, default=11, help="steps of each blocked-time job (save every 3)")
     parser.add_argument("--intervals", type=int, default=2, help="planned intervals in the steps/s job")
     # The test RGW keeps objects in RAM (memstore): ~2 GB objects x repeats strain a 24 GB machine.
-    parser.add_argument("--s3-sizes-mb", type=int, nargs="+", default=[300])
+    parser.add_argument("--s3-sizes-mb", type=int, nargs="+", default=[300, 2000])
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument(
         "--parts",

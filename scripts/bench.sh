@@ -9,6 +9,8 @@ if [ -z "${S3_ENDPOINT_URL:-}" ] && command -v radosgw >/dev/null; then
   export STATE_DIR=$(mktemp -d /tmp/rgw-bench-XXXX) RGW_PORT=$(free_port) MON_PORT=$(free_port)
   export RGW_SECRET_KEY=bench-secret AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=bench-secret
   export AWS_DEFAULT_REGION=us-east-1
+  # The 2 GB S3 pairs keep a promoted step and a raw copy in the memstore OSD's RAM at once.
+  export MEMSTORE_BYTES=${MEMSTORE_BYTES:-12884901888}
   trap '"$here/scripts/ceph/stop-rgw.sh" >/dev/null 2>&1 || true' EXIT
   endpoint=$("$here/scripts/ceph/start-rgw.sh" | tail -n 1)
   export S3_ENDPOINT_URL=${endpoint#*=}
