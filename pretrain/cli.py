@@ -12,7 +12,7 @@ from pretrain.checkpointing.tiering_config import run_gc, run_upload
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
 from tiering.cli import configure_logging
-from tiering.remote import LeaseError
+from tiering.errors import LeaseError
 
 # Each verb imports what it needs when it runs: torch and Megatron take seconds to import, and
 # `pretrain status`, `plan` or a config error must not wait for them.

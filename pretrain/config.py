@@ -391,7 +391,8 @@ class FaultInjectionConfig:
     slow_save_seconds: float = 0.0
     # hang_rank hangs in native code (libc pause()) instead of a Python sleep loop.
     hang_native: bool = False
-    # The background writer of the tier-1 save at this step: "fail" (raises) or "hang" (until killed).
+    # The background writer of the tier-1 save at this step: "fail" (an I/O error: reported, training
+    # goes on), "hang" (until killed), "slow" or "bug" (a TypeError: a programming error fails the attempt).
     writer_fault_at_step: int = -1
     writer_fault: str | None = None
     writer_fault_rank: int = 0

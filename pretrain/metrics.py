@@ -48,7 +48,7 @@ class TrainingMetrics:
         self.planned_interval_steps: dict[str, int] = {}
         self.save_seconds: dict[str, _Histogram] = {}
         self.load_seconds: dict[str, _Histogram] = {}
-        self.save_failures: Tally[str] = Tally()
+        self.save_failures: Tally[tuple[str, str]] = Tally()  # (tier, reason)
         self.save_skips: Tally[str] = Tally()
         self.queue_depth = 0
         self.uncommitted = 0
@@ -103,9 +103,9 @@ class TrainingMetrics:
             self.last_success[tier] = time.time()
             self.save_seconds.setdefault(tier, _Histogram()).observe(seconds)
 
-    def save_failed(self, tier: str) -> None:
+    def save_failed(self, tier: str, reason: str = "error") -> None:
         with self._lock:
-            self.save_failures[tier] += 1
+            self.save_failures[(tier, reason)] += 1
 
     def save_skipped(self, tier: str) -> None:
         with self._lock:
@@ -147,10 +147,12 @@ class TrainingMetrics:
                     h.add_metric([*rid, tier], buckets, hist.total)
                 yield h
             c = CounterMetricFamily(
-                "checkpoint_save_failures", "Checkpoint saves that were not published", labels=[*labels, "tier"]
+                "checkpoint_save_failures",
+                "Checkpoint saves that were not published, by reason (disk_full, timeout, error)",
+                labels=[*labels, "tier", "reason"],
             )
-            for tier, n in sorted(self.save_failures.items()):
-                c.add_metric([*rid, tier], n)
+            for (tier, reason), n in sorted(self.save_failures.items()):
+                c.add_metric([*rid, tier, reason], n)
             yield c
             c = CounterMetricFamily(
                 "checkpoint_save_skips", "Saves skipped because one was still in flight", labels=[*labels, "tier"]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from tiering.errors import ObjectStoreError, PreconditionFailed, TransferInterrupted
+from tiering.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, TransferInterrupted
 
 # A ranged GET is consumed in pieces this size: each piece is hashed and written while it is still in
 # the CPU's cache, and eight downloads in flight hold 8 MiB of buffers, not eight whole chunks.
@@ -49,7 +49,7 @@ class ObjectStore(Protocol):
         ...
 
     def get_bytes(self, key: str) -> tuple[bytes, str]:
-        """Return (content, etag); raise KeyError if the object does not exist."""
+        """Return (content, etag); raise ObjectNotFound if the object does not exist."""
         ...
 
     def download_file(self, key: str, path: Path) -> None: ...
@@ -57,7 +57,7 @@ class ObjectStore(Protocol):
     def iter_range(self, key: str, start: int, length: int, piece_bytes: int = RANGE_PIECE_BYTES) -> Iterator[bytes]:
         """Bytes ``[start, start + length)`` of the object (one ranged GET), as they arrive, in pieces
         of at most ``piece_bytes``; fewer bytes in all if the object is shorter. Raised when the
-        first piece is asked for: KeyError if the object is missing, ObjectStoreError if the store
+        first piece is asked for: ObjectNotFound if the object is missing, ObjectStoreError if the store
         fails or does not honour the range; later, TransferInterrupted if the body breaks off."""
         ...
 
@@ -160,7 +160,7 @@ class S3Store:
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
                 raise PreconditionFailed(f"{self.url}/{what}: precondition failed") from exc
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-                raise KeyError(what) from exc
+                raise ObjectNotFound(what) from exc
             raise ObjectStoreError(f"{self.url}/{what}: {code or status}: {exc}") from exc
         except (BotoCoreError, Boto3Error) as exc:
             # Boto3Error: upload_file/download_file wrap a part's final error (e.g. 503 SlowDown after
@@ -242,7 +242,7 @@ class S3Store:
         try:
             with self._errors(key):
                 resp = self.client.head_object(Bucket=self.bucket, Key=key)
-        except KeyError:
+        except ObjectNotFound:
             return None
         meta = resp.get("Metadata", {})
         digest = meta.get("digest") or (f"sha256:{meta['sha256']}" if "sha256" in meta else None)
@@ -376,20 +376,20 @@ class FileStore:
     def get_bytes(self, key: str) -> tuple[bytes, str]:
         path = self._path(key)
         if not path.is_file():
-            raise KeyError(key)
+            raise ObjectNotFound(key)
         data = path.read_bytes()
         return data, hashlib.md5(data).hexdigest()
 
     def download_file(self, key: str, path: Path) -> None:
         src = self._path(key)
         if not src.is_file():
-            raise KeyError(key)
+            raise ObjectNotFound(key)
         shutil.copyfile(src, path)
 
     def iter_range(self, key: str, start: int, length: int, piece_bytes: int = RANGE_PIECE_BYTES) -> Iterator[bytes]:
         path = self._path(key)
         if not path.is_file():
-            raise KeyError(key)
+            raise ObjectNotFound(key)
         with open(path, "rb", buffering=0) as fh:
             end = start + length
             while start < end:

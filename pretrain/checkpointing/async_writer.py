@@ -36,9 +36,24 @@ from typing import IO, Any
 import torch
 
 from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec
+from tiering.errors import TieringError
 from tiering.fsio import write_file_durably
 
 log = logging.getLogger(__name__)
+
+
+# What a writer may meet from the storage: reported as a failed save (training goes on). Anything
+# else it raises is a bug, raised on the training thread so that it fails the attempt.
+STORAGE_ERRORS = (OSError, TieringError)
+
+
+class WriterBug(RuntimeError):
+    """A fork writer failed with a programming error (its type and message are in the text)."""
+
+
+def _maybe_bug(fault: str | None) -> None:
+    if fault == "bug":  # tests: a programming error inside the save, which must fail the attempt
+        raise TypeError("injected programming error in the tier-1 writer")
 
 
 @dataclass
@@ -96,6 +111,7 @@ class BackgroundWrite:
         self._report_fd: int | None = None
         self._written: threading.Event | None = None  # thread mode: set when the write ended
         self._thread_error: str | None = None
+        self._thread_bug: Exception | None = None
         self._digest: ChunkedDigest | None = None
         self._snapshot_done = threading.Event()
         self._snapshot: dict[str, Any] | None = None
@@ -149,11 +165,14 @@ class BackgroundWrite:
                 prepare()
             if fault == "slow":
                 time.sleep(0.6)
+            _maybe_bug(fault)
             self._digest = write_file_durably(self.path, lambda fh: save_state(self._snapshot, fh), self.hashing)
             if fault == "fail":
                 raise OSError("injected writer failure")
-        except Exception as exc:  # reported by poll(); the step is not committed
+        except STORAGE_ERRORS as exc:  # the storage said no: reported by poll(), the step is not committed
             self._thread_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug: poll() raises it on the training thread, failing the attempt
+            self._thread_bug = exc
 
     def poll(self, block: bool = False) -> WriteOutcome | None:
         """None while running; the outcome once the writer ended (cause included on failure)."""
@@ -166,6 +185,8 @@ class BackgroundWrite:
             error = None
             report = _read_report(self._report_fd)
             self._close_pipe()
+            if report.get("bug"):
+                raise WriterBug(f"background writer (pid {self._pid}) raised {report.get('error')}")
             if os.WIFSIGNALED(status):
                 error = killed_by_signal(self._pid, os.WTERMSIG(status))
             elif os.WEXITSTATUS(status) != 0:
@@ -177,6 +198,8 @@ class BackgroundWrite:
             assert self._written is not None
             if not self._written.wait(None if block else 0):
                 return None
+            if self._thread_bug is not None:
+                raise self._thread_bug
             error = self._thread_error
         self._outcome = WriteOutcome(error is None, error, time.perf_counter() - self.started, self._digest)
         return self._outcome
@@ -322,12 +345,14 @@ def _child_write(
             time.sleep(0.6)
         if prepare is not None:
             prepare()
+        _maybe_bug(fault)
         report["digest"] = write_file_durably(path, lambda fh: save_state(payload, fh), hashing).to_json()
         if fault == "fail":
             raise OSError("injected writer failure")
     except BaseException as exc:  # noqa: BLE001 - the child must always reach os._exit
         code = 1
         report = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=2)}
+        report["bug"] = not isinstance(exc, STORAGE_ERRORS)  # the parent raises it instead of reporting it
     with contextlib.suppress(OSError):
         os.write(report_fd, json.dumps(report).encode())
     os._exit(code)

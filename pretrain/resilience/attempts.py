@@ -70,8 +70,8 @@ def record_failure(run_dir: Path, attempt_id: str, rank: int, info: FailureInfo)
                 **info.to_dict(),
             },
         )
-    except OSError:
-        pass
+    except OSError as exc:  # the rank is failing anyway; the next attempt names it "without a report"
+        log.warning("rank %d: could not write its failure report under %s: %s", rank, run_dir, exc)
 
 
 def _process_start() -> float:

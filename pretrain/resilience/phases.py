@@ -15,6 +15,7 @@ land inside a phase that is otherwise milliseconds long.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -26,6 +27,8 @@ from typing import Any
 
 from pretrain.resilience.restarts import launcher_restart_count
 from tiering.fsio import atomic_write_bytes
+
+log = logging.getLogger(__name__)
 
 # In the order an attempt goes through them.
 PHASES = (
@@ -105,8 +108,8 @@ class PhaseRecord:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.path, json.dumps(self._record).encode())
-        except OSError:
-            pass
+        except OSError as exc:  # a diagnosis aid only: training goes on without it
+            log.warning("%s: phase record not written (%s)", self.path, exc)
 
     def mark_signal(self, name: str) -> None:
         """This rank was told to stop (the launcher stopping the group after another rank failed, or
