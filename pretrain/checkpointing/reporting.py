@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from pretrain.checkpointing.state import SaveResult
-from pretrain.checkpointing.tiered import TieredCheckpointer
+from pretrain.checkpointing.tier import TierSet
 from pretrain.metrics import TrainingMetrics
 from pretrain.resilience.attempts import AttemptLog
 from pretrain.runlog import RunLog
@@ -33,7 +33,7 @@ def failure_reason(exc: BaseException) -> str:
 
 @dataclass
 class SaveReport:
-    tiers: TieredCheckpointer
+    tiers: TierSet
     runlog: RunLog
     metrics: TrainingMetrics
     records: AttemptLog
