@@ -16,7 +16,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,17 +88,14 @@ def open_store(
     connect_timeout_s: float = 5.0,
     read_timeout_s: float = 60.0,
     max_attempts: int = 5,
-    fault: str | None = None,
 ) -> tuple[ObjectStore, str]:
-    """Return the store and the key prefix inside it (``fault``: see :func:`_install_fault_hooks`)."""
+    """Return the store and the key prefix inside it."""
     scheme, where, prefix = split_uri(uri)
     if scheme == "file":
         return FileStore(Path(where)), prefix
     store = S3Store(
         where, endpoint_url, concurrency, chunk_mb, checksum_header, connect_timeout_s, read_timeout_s, max_attempts
     )
-    if fault:
-        _install_fault_hooks(store.client, fault)
     return store, prefix
 
 
@@ -270,37 +266,6 @@ class S3Store:
                     self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
                     n += 1
         return n
-
-
-def _install_fault_hooks(client: Any, spec: str) -> None:
-    """Deliberate faults for tests and drills (``tiering upload --inject-fault``, or the training
-    config's ``fault_tolerance.inject.s3_fault`` through ``pretrain upload``):
-
-    * ``kill_after_parts=N``: SIGKILL this process once N multipart parts were uploaded;
-    * ``timeout_parts=N``: the first N UploadPart requests time out (the client retries them).
-    """
-    from botocore.exceptions import ReadTimeoutError  # boto3/botocore: only with an s3:// store
-
-    kind, _, count = spec.partition("=")
-    limit = int(count or "1")
-    seen = {"n": 0}
-
-    def kill_after(**_: Any) -> None:
-        seen["n"] += 1
-        if seen["n"] >= limit:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def time_out(request: Any = None, **_: Any) -> None:
-        if seen["n"] < limit:
-            seen["n"] += 1
-            raise ReadTimeoutError(endpoint_url=getattr(request, "url", "s3"))
-
-    if kind == "kill_after_parts":
-        client.meta.events.register("after-call.s3.UploadPart", kill_after)
-    elif kind == "timeout_parts":
-        client.meta.events.register("before-send.s3.UploadPart", time_out)
-    else:
-        raise ValueError(f"S3 fault {spec!r}: unknown; use kill_after_parts=N or timeout_parts=N")
 
 
 def _b64md5(data: bytes) -> str:

@@ -33,6 +33,7 @@ from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
 from tiering.publish import publish_dir
 from tiering.retention import ObjectStoreRetention, StepView
+from tiering.store_faults import install_s3_faults
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,10 @@ class RemoteTier:
         injects deliberate S3 faults (tests and drills only); ``max_attempts``: the S3 client's tries
         per request before the error reaches the caller (whose own backoff then applies)."""
         store, prefix = open_store(
-            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, max_attempts=max_attempts, fault=fault
+            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, max_attempts=max_attempts
         )
+        if fault:
+            install_s3_faults(store, fault)
         return cls(store, prefix, run_id, concurrency)
 
     # -- keys ------------------------------------------------------------------------------------
