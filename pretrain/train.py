@@ -75,6 +75,7 @@ def train(cfg: Config) -> RunSummary:
     cpu_shims.install()
     phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg))
     phases.mark_signals_until_replaced()
+    phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     phases.enter("startup")
     if cfg.fault_tolerance.inprocess.enabled:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
