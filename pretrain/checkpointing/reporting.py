@@ -41,7 +41,7 @@ class SaveReport:
     stop_on_error: bool  # checkpoint.on_save_error: stop
 
     def queue_changed(self) -> None:
-        self.metrics.queue_depth = self.metrics.uncommitted = self.tiers.in_flight_count()
+        self.metrics.queued(self.tiers.in_flight_count())
 
     def saved(self, saved: SaveResult, current_step: int) -> None:
         self.tiers.committed(saved.step)
