@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from install_carried_wheels import fits, unpack  # noqa: E402  (a script, not a package)
+from install_carried_wheels import fits, python_fits, unpack  # noqa: E402  (a script, not a package)
 
 GPU_TESTS = {
     "test_versions_that_ran",
@@ -61,15 +61,44 @@ def test_wheels_are_picked_by_interpreter_and_glibc() -> None:
     assert not fits(Path("megatron_core-0.19.2-cp399-cp399-manylinux_2_28_x86_64.whl"))
 
 
-def _tiny_wheel(wheels: Path) -> Path:
-    path = wheels / "rp_probe-1.0-py3-none-any.whl"
+def test_stable_abi_wheels_fit_every_cpython_from_their_minimum() -> None:
+    assert python_fits("cp39", "abi3", here=(3, 12)) and python_fits("cp312", "abi3", here=(3, 12))
+    assert not python_fits("cp313", "abi3", here=(3, 12))  # needs a newer CPython
+    assert not python_fits("cp39", "cp39", here=(3, 12))  # an ordinary extension: its own version only
+    assert not python_fits("cp29", "abi3", here=(3, 12)) and not python_fits("py2", "none", here=(3, 12))
+    assert fits(Path("cryptography-44.0.0-cp39-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"))
+
+
+def _tiny_wheel(wheels: Path, tags: str = "py3-none-any", name: str = "rp_probe") -> Path:
+    path = wheels / f"{name}-1.0-{tags}.whl"
+    dist = name.replace("_", "-")
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("rp_probe/__init__.py", "def main() -> int:\n    print('probe ok')\n    return 0\n")
-        zf.writestr("rp_probe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: rp-probe\nVersion: 1.0\n")
-        zf.writestr("rp_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr("rp_probe-1.0.dist-info/entry_points.txt", "[console_scripts]\nrp-probe = rp_probe:main\n")
-        zf.writestr("rp_probe-1.0.dist-info/RECORD", "")
+        zf.writestr(f"{name}/__init__.py", "def main() -> int:\n    print('probe ok')\n    return 0\n")
+        zf.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        zf.writestr(f"{name}-1.0.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: {tags}\n")
+        zf.writestr(f"{name}-1.0.dist-info/entry_points.txt", f"[console_scripts]\n{dist} = {name}:main\n")
+        zf.writestr(f"{name}-1.0.dist-info/RECORD", "")
     return path
+
+
+def test_installer_without_pip_unpacks_a_stable_abi_wheel(tmp_path: Path) -> None:
+    """A Python without pip (a venv made --without-pip): the fallback unpacks the cp39-abi3 wheel;
+    it then reports megatron-core and NVRx missing (that venv has neither) and exits 1."""
+    python = tmp_path / "nopip" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "nopip")], check=True)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _tiny_wheel(wheels, "cp39-abi3-manylinux_2_17_x86_64", name="rp_abi3probe")
+    target = tmp_path / "site"
+    script = REPO / "scripts" / "install_carried_wheels.py"
+    proc = subprocess.run([str(python), str(script), str(wheels), str(target)], capture_output=True, text=True)
+    installed = json.loads((target / "installed.json").read_text())
+    assert (
+        installed["rp-abi3probe"]["action"]
+        == "installed (rp_abi3probe-1.0-cp39-abi3-manylinux_2_17_x86_64.whl, unpacked)"
+    )
+    assert installed["rp-abi3probe"]["now"] == "1.0" and (target / "rp_abi3probe" / "__init__.py").is_file()
+    assert proc.returncode == 1 and "megatron-core, nvidia-resiliency-ext not installed; fix:" in proc.stderr
 
 
 def test_installer_installs_offline_into_a_target(tmp_path: Path) -> None:
