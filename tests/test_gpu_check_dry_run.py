@@ -2,7 +2,7 @@
 points (training with an in-process kill and restart, the reshard load at 2 gloo ranks, the
 snapshot benchmark, the version and ft_launcher-flag checks) at CPU size in make test (the main
 pytest run collects tests/gpu/ too, in its default GPU mode: without CUDA every test there skips);
-the offline wheel installer picks wheels by interpreter and glibc and installs them into a target."""
+the offline wheel installer picks wheels by interpreter, ABI and glibc and installs them into a target."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ GPU_TESTS = {
     "test_train_kill_restart_resumes_exactly",
     "test_reshardable_checkpoint_loads_on_cpu_at_tp2",
     "test_background_save_blocks_less_than_a_sync_save",
+    "test_each_parameter_keeps_its_own_adam_step_after_a_restore",
+    "test_reshardable_restore_of_the_optimizer_resumes_exactly",
+    "test_snapshot_copy_runs_on_the_tensors_device",
 }
 
 
@@ -37,7 +40,7 @@ def _gpu_check(tmp: Path, *args: str, timeout: int) -> tuple[subprocess.Complete
 
 
 def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
-    proc, report = _gpu_check(tmp_path, "--cpu", timeout=600)
+    proc, report = _gpu_check(tmp_path, "--cpu", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["mode"] == "cpu" and set(report["tests"]) == GPU_TESTS
     assert {t["outcome"] for t in report["tests"].values()} == {"passed"}, report["tests"]
@@ -45,10 +48,15 @@ def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
     train = report["tests"]["test_train_kill_restart_resumes_exactly"]["figures"]
     assert train["comparison"]["identical"] and train["spec"] == "local", train
     assert train["restored"][-1]["tier"] == "local"
+    reshard_restore = report["tests"]["test_reshardable_restore_of_the_optimizer_resumes_exactly"]["figures"]
+    assert reshard_restore["restore_events"][-1]["tier"] == "reshardable" and reshard_restore["comparison"]["identical"]
+    steps = report["tests"]["test_each_parameter_keeps_its_own_adam_step_after_a_restore"]["figures"]
+    assert steps["tier1_restore"]["adam_steps"] == [8.0] and steps["reshardable_restore"]["adam_steps"] == [8.0]
     reshard = report["tests"]["test_reshardable_checkpoint_loads_on_cpu_at_tp2"]["figures"]
     assert reshard["all_equal"] and reshard["layout"]["tp"] == 2 and reshard["optimizer_keys"] > 0
     bench = report["tests"]["test_background_save_blocks_less_than_a_sync_save"]["figures"]
     assert 0 < bench["blocked_ratio"] < 1 and bench["snapshot"]["gb_per_s"] > 0
+    assert bench["sizing"]["limited_by"] and bench["copy_binding"] is None
 
 
 def test_wheels_are_picked_by_interpreter_and_glibc() -> None:
