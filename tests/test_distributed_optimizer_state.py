@@ -19,7 +19,12 @@ import pytest
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
-from pretrain.optim import MegatronDistributedOptimizer, give_each_param_its_own_step, mark_padding
+from pretrain.optim import (
+    MegatronDistributedOptimizer,
+    give_each_param_its_own_step,
+    mark_padding,
+    step_zero_state_dict,
+)
 
 SHAPES = [(4, 3), (3,), (5, 2), (7,)]
 GROUP_KEYS = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
@@ -151,3 +156,17 @@ def test_megatron_load_without_the_fix_shares_one_step_that_counts_every_paramet
     assert float(loader.optimizer.state[loader.main_params[0]]["step"]) == 1 + len(SHAPES)
     assert give_each_param_its_own_step(loader.optimizer) == len(SHAPES) - 1
     assert len({loader.optimizer.state[p]["step"].data_ptr() for p in loader.main_params}) == len(SHAPES)
+
+
+def test_the_state_allocated_before_a_reshardable_load_reads_as_megatron_writes_it_at_step_0() -> None:
+    """What the wrapper hands Megatron's load_state_dict to allocate a fresh optimizer's state
+    (without TE/Apex, before sharded_state_dict(is_loading=True)): Megatron's own state_dict()
+    of the same optimizer, with the step at 0."""
+    layout = RecordedLayout(seed=1)
+    layout.adam_step(seed=3)
+    ours = step_zero_state_dict(layout.optimizer)
+    theirs = layout.state_dict()
+    assert [g["step"] for g in theirs["optimizer"]["param_groups"]] == [1.0, 1.0]
+    for group in theirs["optimizer"]["param_groups"]:
+        group["step"] = 0
+    assert ours == theirs

@@ -8,9 +8,10 @@
    then ``train`` is called again in the same process (the restart): it restores the newest
    tier-1 step (15, written in the background through pinned buffers on a side CUDA stream;
    the DistributedOptimizer's dp-reshardable parameter state) and trains to step 30;
-3. reshardable restore: run ``from-reshardable`` raises at step 12, its tier-1 directory is
-   deleted (a lost node without replicas), and the restart restores the fully reshardable step
-   10 (the DistributedOptimizer loaded from Megatron's distributed checkpoint) and trains to 30.
+3. reshardable restore: run ``from-reshardable`` (its saves synchronous until the fault) raises
+   at step 12, its tier-1 directory is deleted (a lost node without replicas), and the restart
+   restores the fully reshardable step 10 (the DistributedOptimizer loaded from Megatron's
+   distributed checkpoint) and trains to 30.
 
 Deterministic algorithms are on (``torch.use_deterministic_algorithms(True, warn_only=True)``
 and ``CUBLAS_WORKSPACE_CONFIG``, set before CUDA starts): each restarted run's losses must equal
@@ -199,10 +200,10 @@ class Drive:
         self.result["errors"]["baseline"] = run_once(base)
         self.result["baseline_seconds"] = round(time.perf_counter() - t0, 2)
 
-    def kill_and_restart(self, run_id: str, fault_step: int, lose_tier1: bool) -> dict[str, Any]:
+    def kill_and_restart(self, run_id: str, fault_step: int, lose_tier1: bool, fault_sets: list[str]) -> dict[str, Any]:
         inject = [f"fault_tolerance.inject.raise_at_step={fault_step}", "fault_tolerance.inject.raise_rank=0"]
         out: dict[str, Any] = {"fault_step": fault_step}
-        out["fault_error"] = run_once(config(self.mode, self.workdir, run_id, inject))
+        out["fault_error"] = run_once(config(self.mode, self.workdir, run_id, inject + fault_sets))
         if lose_tier1:  # a lost node without replicas: only the reshardable tier is left
             shutil.rmtree(self.workdir / "ckpt-local" / run_id, ignore_errors=True)
         out["restart_error"] = run_once(config(self.mode, self.workdir, run_id, []))
@@ -221,12 +222,15 @@ class Drive:
         }
 
     def tier1_restart(self) -> None:
-        out = self.kill_and_restart("resumed", FAULT_STEP[self.mode], lose_tier1=False)
+        out = self.kill_and_restart("resumed", FAULT_STEP[self.mode], lose_tier1=False, fault_sets=[])
         self.result["errors"] |= {"fault": out.pop("fault_error"), "restart": out.pop("restart_error")}
         self.result |= out
 
     def reshardable_restart(self) -> None:
-        out = self.kill_and_restart("from-reshardable", RESHARD_FAULT_STEP[self.mode], lose_tier1=True)
+        # Its saves before the fault are synchronous: a background reshardable save started two
+        # steps before the fault would be abandoned by it (nothing to restore but step 0).
+        sync = ["checkpoint.async.enabled=false"]
+        out = self.kill_and_restart("from-reshardable", RESHARD_FAULT_STEP[self.mode], True, fault_sets=sync)
         self.result["reshardable_restore"] = out
 
     def run(self) -> dict[str, Any]:
