@@ -4,7 +4,10 @@
   buffers (on GPU a device-to-host copy on its own stream into pinned memory), then writes. The
   copy overlaps the next step's forward and backward, which only read the weights; the trainer
   calls :meth:`BackgroundWrite.wait_for_snapshot` before the optimizer changes them in place.
-  Every non-tensor value is copied on the training thread at the save (cheap).
+  Every non-tensor value is copied on the training thread at the save (cheap). On GPU the writer
+  thread binds itself to the tensors' device for the copy (a thread starts on cuda:0): its stream,
+  the wait for the kernels that produced the state (an event recorded on the training thread's
+  stream at the save) and the pinned buffers are all on that device.
 * ``fork`` (CPU): ``os.fork()`` is the snapshot. The child sees the parent's memory as it was at
   the fork (copy-on-write), serialises it, fsyncs and exits; the parent goes on training and
   changes its own pages only. Blocked time is the fork itself (page tables, not data), plus the
@@ -116,6 +119,8 @@ class BackgroundWrite:
         self._snapshot_done = threading.Event()
         self._snapshot: dict[str, Any] | None = None
         self._outcome: WriteOutcome | None = None
+        self.device: torch.device | None = None  # thread mode: the CUDA device of the saved tensors
+        self.copy_binding: dict[str, str] | None = None  # thread mode on GPU: where the copy ran
         if mode == "fork":
             read_fd, write_fd = os.pipe()
             self._pid = os.fork()
@@ -127,7 +132,9 @@ class BackgroundWrite:
             self._snapshot_done.set()
         else:
             staged = _stage_on_training_thread(payload)
-            self._written = _WRITER.submit(lambda: self._write_thread(staged, buffers, fault, prepare))
+            self.device = snapshot_device(_tensor_devices(staged))
+            produced = _record_produced(self.device)
+            self._written = _WRITER.submit(lambda: self._write_thread(staged, buffers, fault, prepare, produced))
 
     @property
     def pid(self) -> int | None:
@@ -155,10 +162,11 @@ class BackgroundWrite:
         buffers: SnapshotBuffers | None,
         fault: str | None,
         prepare: Callable[[], object] | None,
+        produced: Any = None,
     ) -> None:
         try:
             try:
-                self._snapshot = _copy_tensors(staged, buffers)
+                self._snapshot, self.copy_binding = _copy_tensors(staged, buffers, self.device, produced)
             finally:
                 self._snapshot_done.set()  # never leave the trainer waiting, even on failure
             if prepare is not None:
@@ -263,32 +271,74 @@ def _stage_on_training_thread(payload: Any) -> Any:
     return copy.deepcopy(payload)
 
 
-def _copy_tensors(staged: Any, buffers: SnapshotBuffers | None) -> dict[str, Any]:
+def snapshot_device(devices: Any) -> torch.device | None:
+    """The CUDA device the writer thread binds to for a snapshot of tensors on ``devices``: None
+    when none is on CUDA. One rank's state lives on one GPU: tensors on two are a programming
+    error, refused rather than copied on the wrong device's stream."""
+    cuda = {torch.device(d) for d in devices if torch.device(d).type == "cuda"}
+    if len(cuda) > 1:
+        raise ValueError(f"a snapshot's tensors are on {sorted(map(str, cuda))}: one rank's state must be on one GPU")
+    if not cuda:
+        return None
+    device = cuda.pop()
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _tensor_devices(v: Any) -> set[torch.device]:
+    if isinstance(v, torch.Tensor):
+        return {v.device}
+    if isinstance(v, dict):
+        return set().union(*(_tensor_devices(x) for x in v.values()))
+    if type(v) in (list, tuple):
+        return set().union(*(_tensor_devices(x) for x in v))
+    return set()
+
+
+def _record_produced(device: torch.device | None) -> Any:
+    """On the training thread, at the save: an event after the kernels queued so far on its
+    current stream of ``device`` (the optimizer step that produced the state)."""
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _copy_tensors(
+    staged: Any, buffers: SnapshotBuffers | None, device: torch.device | None = None, produced: Any = None
+) -> tuple[dict[str, Any], dict[str, str] | None]:
     """The writer thread's snapshot: every tensor copied into host memory (into reusable
-    buffers when given; on GPU on a side stream into pinned buffers), the rest as staged."""
-    on_gpu = _any_cuda(staged)
-    stream = torch.cuda.Stream() if on_gpu else None
-    if stream is not None:  # after the kernels that produced the state (the optimizer step)
-        stream.wait_stream(torch.cuda.default_stream())
-    counter = iter(range(1 << 62))
+    buffers when given; on GPU on a side stream of the tensors' device into pinned buffers, the
+    thread bound to that device), the rest as staged. Also returns where a GPU copy ran."""
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        stream = torch.cuda.Stream(device=device) if device is not None else None
+        if stream is not None and produced is not None:
+            stream.wait_event(produced)
+        counter = iter(range(1 << 62))
 
-    def copy_tree(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            index = next(counter)
-            if buffers is not None:
-                return buffers.copy(index, v, stream)
-            return v.detach().to("cpu", copy=True, non_blocking=stream is not None)
-        if isinstance(v, dict):
-            return {k: copy_tree(x) for k, x in v.items()}
-        if type(v) in (list, tuple):
-            return type(v)(copy_tree(x) for x in v)
-        return v
+        def copy_tree(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                index = next(counter)
+                if buffers is not None:
+                    return buffers.copy(index, v, stream)
+                return v.detach().to("cpu", copy=True, non_blocking=stream is not None)
+            if isinstance(v, dict):
+                return {k: copy_tree(x) for k, x in v.items()}
+            if type(v) in (list, tuple):
+                return type(v)(copy_tree(x) for x in v)
+            return v
 
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        snapshot = copy_tree(staged)
-    if stream is not None:
-        stream.synchronize()
-    return snapshot
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            snapshot = copy_tree(staged)
+        binding = None
+        if stream is not None:
+            stream.synchronize()
+            binding = {
+                "tensors": str(device),
+                "thread": f"cuda:{torch.cuda.current_device()}",
+                "stream": str(stream.device),
+            }
+    return snapshot, binding
 
 
 def save_state(payload: dict[str, Any], fh: IO[bytes]) -> None:
@@ -300,16 +350,6 @@ def save_state(payload: dict[str, Any], fh: IO[bytes]) -> None:
         torch.save(payload, fh)
     finally:
         torch.serialization.set_crc32_options(previous)
-
-
-def _any_cuda(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.is_cuda
-    if isinstance(v, dict):
-        return any(_any_cuda(x) for x in v.values())
-    if type(v) in (list, tuple):
-        return any(_any_cuda(x) for x in v)
-    return False
 
 
 def _read_report(fd: int | None) -> dict[str, Any]:
