@@ -203,11 +203,11 @@ def test_a_failed_launcher_requeues_the_job_without_its_node(
     )
     job.submit()
     try:
-        job.wait_until(("PENDING",), 480)
-        deadline = time.monotonic() + 30
-        while "requeued without node localhost" not in job.log.read_text():
-            assert time.monotonic() < deadline, _tail(job.log)
+        deadline = time.monotonic() + 480
+        while "requeued without node localhost" not in _tail(job.log):
+            assert time.monotonic() < deadline, f"{job.state()}\n{_tail(job.log)}"
             time.sleep(0.3)
+        job.wait_until(("PENDING",), 60)
         show = _show_job(job.id, job.env)
         assert "ExcNodeList=localhost" in show and "Restarts=1" in show, show
         assert "srun: error: localhost: task 0: Exited with exit code 1" in job.log.read_text()
