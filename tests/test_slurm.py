@@ -1,5 +1,12 @@
-"""slurm/pretrain.sbatch on a real one-node Slurm cluster: train, `scontrol requeue` mid-run, and
-the requeued job resumes from the newest verified checkpoint and finishes."""
+"""slurm/pretrain.sbatch on a real one-node Slurm cluster (``slurm_cluster``, KillWait 5 s).
+
+* ``scontrol requeue`` mid-run: the requeued job resumes from the newest verified step and finishes.
+* The USR1 warning: the batch shell sends SIGTERM to the ranks, waits while they publish their
+  emergency step (held longer than KillWait), requeues, and the job resumes from that step.
+* A failed launcher: the job is requeued without the node it failed on.
+* A stopped run (``attempts/STOP.json``): `pretrain launch` exits with the stop code on every node
+  and the job ends with it, not requeued.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,27 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 
 from pretrain.config import load_config
+from pretrain.errors import STOP_EXIT_CODE
 from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for
 
-pytestmark = pytest.mark.slow
+SBATCH = REPO / "slurm" / "pretrain.sbatch"
+KILL_WAIT_S = 5  # scripts/slurm/slurm.conf.in
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def _show_job(job: str, env: dict[str, str]) -> str:
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
 
 
 def _job_state(job: str, env: dict[str, str]) -> tuple[str, int]:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
+    out = _show_job(job, env)
     state = re.search(r"JobState=(\S+)", out)
     restarts = re.search(r"Restarts=(\d+)", out)
     return (state.group(1) if state else "UNKNOWN"), int(restarts.group(1)) if restarts else 0
@@ -31,87 +47,96 @@ def _max_step(metrics: Path) -> int:
     return max((json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()), default=0)
 
 
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:] if log.exists() else ""
+
+
+class SlurmJob:
+    """One sbatch of slurm/pretrain.sbatch on the test cluster with the tiny CPU model."""
+
+    def __init__(self, tmp: Path, corpus: Path, cluster: dict[str, str], overrides: dict[str, Any], **env: str) -> None:
+        cfg = load_config(TINY, overrides_for(tmp, corpus, **{"checkpoint.reshardable.interval": 1000, **overrides}))
+        config = tmp / "config.yaml"
+        config.write_text(yaml.safe_dump(cfg.to_dict()))
+        (tmp / "nvme").mkdir()
+        self.env = {
+            **job_env(tmp),
+            "SLURM_CONF": cluster["SLURM_CONF"],
+            "CONFIG": str(config),
+            "LOCAL_NVME": str(tmp / "nvme"),
+            "NPROC_PER_NODE": "2",
+            "MAX_RESTARTS": "1",
+            "FT_CONFIG": str(FT_CPU),
+            "PRETRAIN": str(REPO / ".venv" / "bin" / "pretrain"),
+            **env,
+        }
+        self.tmp = tmp
+        self.run_dir = tmp / "runs" / "t"
+        self.id = ""
+
+    @property
+    def log(self) -> Path:
+        return self.tmp / f"slurm-{self.id}.out"
+
+    def submit(self) -> None:
+        out = subprocess.run(
+            ["sbatch", "--parsable", "--nodes=1", f"--output={self.tmp}/slurm-%j.out", str(SBATCH)],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=self.tmp,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        self.id = out.stdout.strip().split(";")[0]
+
+    def state(self) -> tuple[str, int]:
+        return _job_state(self.id, self.env)
+
+    def wait_for_step(self, step: int, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while _max_step(self.run_dir / "metrics.jsonl") < step:
+            assert time.monotonic() < deadline, f"no progress: {self.state()}\n{_tail(self.log)}"
+            time.sleep(0.2)
+
+    def wait_until(self, states: tuple[str, ...], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (state := self.state()[0]) not in states:
+            assert time.monotonic() < deadline, f"job {self.id} still {state}\n{_tail(self.log)}"
+            time.sleep(0.3)
+        return state
+
+    def release_requeued(self) -> None:
+        """Slurm holds a requeued job for 120 s before it is eligible again (users see that too);
+        the test makes it eligible at once when it is back in the queue."""
+        self.wait_until(("PENDING",), 300)
+        subprocess.run(["scontrol", "update", f"JobId={self.id}", "StartTime=now"], env=self.env, check=True)
+
+    def attempts(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted((self.run_dir / "attempts").glob("attempt-*.json"))]
+
+
+@pytest.mark.slow
 def test_sbatch_requeue_resumes_from_the_newest_verified_step(
     tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
 ) -> None:
     steps = 240
-    cfg = load_config(
-        TINY,
-        overrides_for(
-            tmp_path,
-            corpus,
-            **{
-                "train.steps": steps,
-                "checkpoint.reshardable.interval": 1000,
-                "fault_tolerance.emergency_save_timeout": 8,
-            },
-        ),
-    )
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg.to_dict()))
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    env = {
-        **job_env(tmp_path),
-        **{k: v for k, v in slurm_cluster.items() if k == "SLURM_CONF"},
-        "CONFIG": str(config),
-        "LOCAL_NVME": str(nvme),
-        "NPROC_PER_NODE": "2",
-        "MAX_RESTARTS": "1",
-        "FT_CONFIG": str(FT_CPU),
-        "PRETRAIN": str(REPO / ".venv" / "bin" / "pretrain"),
-    }
-    submit = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--nodes=1",
-            f"--output={tmp_path}/slurm-%j.out",
-            str(REPO / "slurm" / "pretrain.sbatch"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
-    log = tmp_path / f"slurm-{job}.out"
-    run_dir = tmp_path / "runs" / "t"
-
-    deadline = time.monotonic() + 180
-    while _max_step(run_dir / "metrics.jsonl") < 25:
-        assert time.monotonic() < deadline, (
-            f"no progress: {_job_state(job, env)}\n{log.read_text()[-3000:] if log.exists() else ''}"
-        )
-        time.sleep(0.2)
-    requeue = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, env=env)
+    job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": steps, "fault_tolerance.emergency_save_timeout": 8})
+    job.submit()
+    job.wait_for_step(25)
+    requeue = subprocess.run(["scontrol", "requeue", job.id], capture_output=True, text=True, env=job.env)
     assert requeue.returncode == 0, requeue.stderr
-    # Slurm holds a requeued job for 120 s before it is eligible again (users see that too); the
-    # test makes it eligible at once when it is back in the queue.
-    deadline = time.monotonic() + 120
-    while _job_state(job, env)[0] != "PENDING":
-        assert time.monotonic() < deadline, f"job {job} not requeued: {_job_state(job, env)}"
-        time.sleep(0.2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
-
-    deadline = time.monotonic() + 300
-    while True:
-        state, restarts = _job_state(job, env)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        assert time.monotonic() < deadline, f"job {job} still {state}\n{log.read_text()[-3000:]}"
-        time.sleep(0.5)
-    text = log.read_text()
+    job.release_requeued()
+    state = job.wait_until(ENDED, 600)  # slow when the machine is shared
+    text = job.log.read_text()
     assert state == "COMPLETED", text[-4000:]
-    assert restarts == 1, f"Slurm counted {restarts} requeues"
+    assert job.state()[1] == 1, "Slurm counted other than one requeue"
     assert "restart count 0" in text and "restart count 1" in text
 
-    records = [json.loads(p.read_text()) for p in sorted((run_dir / "attempts").glob("attempt-*.json"))]
+    records = job.attempts()
     assert [r.get("slurm_restart_count") for r in records] == [0, 1], records
     first, second = records
-    assert first["status"] in ("preempted", "failed") and first["slurm_job_id"] == second["slurm_job_id"] == job
+    assert first["status"] in ("preempted", "failed") and first["slurm_job_id"] == second["slurm_job_id"] == job.id
     assert second["status"] == "succeeded" and second["last_step"] == steps
     restored = second["restored"]
     assert restored is not None and restored["step"] > 0, "the requeued job must not start from step 0"
@@ -119,4 +144,108 @@ def test_sbatch_requeue_resumes_from_the_newest_verified_step(
     expected = first["last_step"] if first.get("emergency_published") else first["last_step"] // 10 * 10
     assert restored["step"] == expected, (first, second)
     assert second["lost_steps"] == first["last_step"] - restored["step"]
-    assert _max_step(run_dir / "metrics.jsonl") == steps
+    assert _max_step(job.run_dir / "metrics.jsonl") == steps
+
+
+@pytest.mark.slow
+def test_usr1_warning_gives_the_emergency_save_more_than_killwait_then_requeues_and_resumes(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    steps, hold = 120, 3 * KILL_WAIT_S
+    job = SlurmJob(
+        tmp_path,
+        corpus,
+        slurm_cluster,
+        {
+            "train.steps": steps,
+            "checkpoint.local.interval": 50,  # the emergency step is newer than any interval step
+            "fault_tolerance.emergency_save_timeout": hold + 25,
+            # Every rank stays `hold` seconds in the emergency-save phase: a save slower than KillWait.
+            "fault_tolerance.inject.hold_at": "0:emergency_save",
+            "fault_tolerance.inject.hold_seconds": hold,
+        },
+        WARNING_S="90",
+    )
+    job.submit()
+    job.wait_for_step(20)
+    warned_at = time.time()
+    # What Slurm does WARNING_S before the time limit (--signal=B:USR1@N): USR1 to the batch shell only.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.id], env=job.env, check=True)
+    job.release_requeued()
+    state = job.wait_until(ENDED, 600)  # slow when the machine is shared
+    text = job.log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    assert "USR1: job ends in 90s" in text and "ranks exited after the warning; requeueing" in text, text[-4000:]
+    assert job.state()[1] == 1, "Slurm counted other than one requeue"
+
+    first, second = job.attempts()
+    assert first["status"] == "preempted" and first["emergency_published"] is True, first
+    assert first["last_step"] % 50 != 0, "the emergency step must not be an interval step"
+    events = [json.loads(x) for x in (job.run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    preempted = next(e for e in events if e["event"] == "preempted")
+    assert preempted["published"] is True, preempted
+    # The save was committed after Slurm's KillWait had passed: the warning's time was used.
+    assert preempted["time"] - warned_at > hold > KILL_WAIT_S, (preempted, warned_at)
+    assert second["restored"]["step"] == first["last_step"], (first, second)
+    assert second["lost_steps"] == 0 and second["status"] == "succeeded" and second["last_step"] == steps
+
+
+@pytest.mark.slow
+def test_a_failed_launcher_requeues_the_job_without_its_node(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    job = SlurmJob(
+        tmp_path,
+        corpus,
+        slurm_cluster,
+        {"train.steps": 500, "fault_tolerance.inject.kill_rank": 1, "fault_tolerance.inject.kill_at_step": 5},
+        MAX_RESTARTS="0",  # ft_launcher gives up at the first failure
+    )
+    job.submit()
+    try:
+        deadline = time.monotonic() + 480
+        while "requeued without node localhost" not in _tail(job.log):
+            assert time.monotonic() < deadline, f"{job.state()}\n{_tail(job.log)}"
+            time.sleep(0.3)
+        job.wait_until(("PENDING",), 60)
+        show = _show_job(job.id, job.env)
+        assert "ExcNodeList=localhost" in show and "Restarts=1" in show, show
+        assert "srun: error: localhost: task 0: Exited with exit code 1" in job.log.read_text()
+    finally:
+        subprocess.run(["scancel", job.id], env=job.env, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_stopped_run_ends_the_job_with_the_stop_code_instead_of_requeueing(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": 50})
+    stop = job.run_dir / "attempts" / "STOP.json"
+    stop.parent.mkdir(parents=True)
+    stop.write_text(json.dumps({"reason": "the same user error twice at step 3"}))
+    job.submit()
+    state = job.wait_until(ENDED, 300)
+    show = _show_job(job.id, job.env)
+    assert state == "FAILED" and f"ExitCode={STOP_EXIT_CODE}:0" in show and "Restarts=0" in show, show
+    text = job.log.read_text()
+    assert "launch refused" in text and "not requeueing" in text, text
+
+
+def test_the_sbatch_stop_code_is_the_rank_programs() -> None:
+    assert re.search(rf"^STOP_EXIT_CODE={STOP_EXIT_CODE} ", SBATCH.read_text(), re.M)
+
+
+def test_the_h100_ft_config_is_nvrx_valid_and_times_every_section_the_rank_program_opens() -> None:
+    ft = FaultToleranceConfig.from_yaml_file(str(REPO / "configs" / "ft-h100.yaml"), ignore_not_recognized=False)
+    sections = set(re.findall(r'monitor\.start\("(\w+)"\)', _rank_program_sources()))
+    assert sections == set(ft.rank_section_timeouts) == {"setup", "step", "checkpointing"}
+    assert ft.initial_rank_heartbeat_timeout >= 1200 and ft.rank_section_timeouts["setup"] >= 1200
+    big = yaml.safe_load((REPO / "configs" / "gpt-8b-h100.yaml").read_text())
+    emergency = big["fault_tolerance"]["emergency_save_timeout"]
+    warning = int(re.search(r"--signal=B:USR1@(\d+)", SBATCH.read_text()).group(1))
+    # The save and ft_launcher's stop (+10 s in pretrain launch) end before the trap's requeue (-10 s).
+    assert emergency + 10 <= warning - 10 and emergency < ft.rank_section_timeouts["checkpointing"]
+
+
+def _rank_program_sources() -> str:
+    return "".join(p.read_text() for p in (REPO / "pretrain").rglob("*.py"))

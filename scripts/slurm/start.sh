@@ -10,6 +10,10 @@ cpus=$(nproc)
 sed -e "s#@STATE@#$STATE#g" -e "s#@CPUS@#$cpus#g" \
     -e "s#@CTLD_PORT@#${CTLD_PORT:-6817}#g" -e "s#@SLURMD_PORT@#${SLURMD_PORT:-6818}#g" \
     "$here/slurm.conf.in" > "$STATE/slurm.conf"
+# gres.conf beside slurm.conf: eight empty files stand in for the GPUs the sbatch asks for.
+mkdir -p "$STATE/gpus"
+touch "$STATE"/gpus/gpu{0..7}
+echo "Name=gpu File=$STATE/gpus/gpu[0-7]" > "$STATE/gres.conf"
 export SLURM_CONF=$STATE/slurm.conf
 # munge authenticates every Slurm RPC; a key is created once per machine.
 if [ ! -s /etc/munge/munge.key ]; then

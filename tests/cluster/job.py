@@ -54,9 +54,12 @@ def start_node(
     nnodes: int | None = None,
     max_restarts: int = 2,
     log_dir: Path | None = None,
+    prefix: list[str] | None = None,
 ) -> subprocess.Popen[str]:
-    """``pretrain launch`` (one rank per node) on node ``index`` of ``cluster``."""
+    """``pretrain launch`` (one rank per node) on node ``index`` of ``cluster``; ``prefix`` runs
+    before it on the node (e.g. :func:`node_local_mount`)."""
     argv = [
+        *(prefix or []),
         PYTHON,
         "-m",
         "pretrain",
@@ -110,3 +113,12 @@ def wait_exit(procs: dict[int, subprocess.Popen[str]], timeout: float = 300) -> 
         except subprocess.TimeoutExpired:
             out[index] = None
     return out
+
+
+def node_local_mount(node_dir: Path, path: Path) -> list[str]:
+    """A ``start_node`` prefix: on that node, ``path`` is ``node_dir`` (a mount namespace of its
+    own, as a node's local disk mounted where shared storage belongs)."""
+    node_dir.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    script = 'mount --bind "$0" "$1" && shift && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(node_dir), str(path)]
