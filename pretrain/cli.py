@@ -183,7 +183,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def _upload(args: argparse.Namespace) -> int:
     configure_logging()
-    return run_upload(load_config(args.config, args.set or []), watch=args.watch, max_seconds=args.max_seconds)
+    cfg = load_config(args.config, args.set or [])
+    return run_upload(cfg, watch=args.watch, max_seconds=args.max_seconds, metrics_port=args.metrics_port)
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -200,6 +201,7 @@ def _add_tier3_commands(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
     mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
     up.add_argument("--max-seconds", type=float, default=None, help="stop watching after this long")
+    up.add_argument("--metrics-port", type=int, default=None, help="serve the uploader's Prometheus metrics here")
     up.set_defaults(func=_upload)
 
     g = sub.add_parser("gc", help="tiering gc with checkpoint.s3.keep/milestone_every (dry run unless --apply)")

@@ -67,6 +67,12 @@ class ObjectNotFound(ObjectStoreError):
         super().__init__(f"{key}: no such object")
 
 
+class AccessDenied(ObjectStoreError):
+    """The store refused the caller (HTTP 403): a missing permission, or, for a key that does not
+    exist, a caller the store will not tell whether it exists (S3 answers 404 only to a caller allowed
+    to list the key's prefix)."""
+
+
 class PreconditionFailed(ObjectStoreError):
     """A conditional write lost: the object exists (If-None-Match) or changed (If-Match)."""
 
