@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, TINY
+from tests.helpers import FT_CPU, PYTHON, REPO, TINY, free_port
 from tests.test_k8s import build, env_configmap, env_of, trainer_pods
 
 NODE_JSON = REPO / "tests" / "fixtures" / "k8s" / "node-p5-us-east-1a.json"
@@ -154,3 +154,23 @@ def test_the_node_is_read_from_the_api_server_with_the_pods_token(api_server: st
     assert out.returncode == 2 and not topology.exists()
     (line,) = out.stderr.strip().splitlines()
     assert "HTTP 403" in line and "k8s/common/rbac.yaml" in line
+
+
+def test_a_node_other_than_0_waits_rdzv_store_timeout_for_node_0s_store(tmp_path: Path) -> None:
+    """Real ft_launcher: pod 1 with nobody serving the store gives up after RDZV_STORE_TIMEOUT, not
+    NVRx's default (c10d's TCPStore client: "timed out after <read_timeout>ms while trying to connect")."""
+    env = {
+        "HOSTNAME": "pretrain-1",
+        "NNODES": "2",
+        "RDZV_HOST": "127.0.0.1",
+        "RDZV_PORT": str(free_port()),  # node 0 never starts: nothing listens there
+        "RDZV_STORE_TIMEOUT": "3",
+        "NODE_NAME": NODE,
+        "LOCAL_NVME": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+    }
+    argv = ["launch", "--config", str(TINY), "--nproc-per-node", "1", "--ft-config", str(FT_CPU)]
+    out = pretrain(*argv, "--set", f"run.dir={tmp_path / 'runs'}", env=env)
+    assert out.returncode != 0
+    assert "is_host': '0', 'read_timeout': '3'" in out.stderr + out.stdout
+    assert "timed out after 3000ms while trying to connect" in out.stderr + out.stdout
