@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.commands.launch import plan_from_env, rendezvous_conf
+from pretrain.errors import LaunchError
 from tests.helpers import FT_CPU, PYTHON, REPO, TINY, free_port
 from tests.test_k8s import build, env_configmap, env_of, trainer_pods
 
@@ -174,3 +176,12 @@ def test_a_node_other_than_0_waits_rdzv_store_timeout_for_node_0s_store(tmp_path
     assert out.returncode != 0
     assert "is_host': '0', 'read_timeout': '3'" in out.stderr + out.stdout
     assert "timed out after 3000ms while trying to connect" in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-5"])
+def test_a_bad_store_timeout_is_refused_in_one_line(value: str, tmp_path: Path) -> None:
+    env = {"HOSTNAME": "pretrain-1", "NNODES": "2", "RDZV_HOST": "pretrain-0.pretrain", "LOCAL_NVME": str(tmp_path)}
+    with pytest.raises(LaunchError) as err:
+        plan_from_env({**env, "RDZV_STORE_TIMEOUT": value})
+    assert str(err.value).startswith("RDZV_STORE_TIMEOUT=") and "fix:" in str(err.value)
+    assert rendezvous_conf(plan_from_env(env)) == "is_host=0,read_timeout=1800,join_timeout=1800"

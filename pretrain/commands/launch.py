@@ -134,6 +134,16 @@ def _int(env: Mapping[str, str], name: str, fix: str) -> int:
         raise LaunchError(f"{name}={value!r} is not an integer; fix: {fix}") from exc
 
 
+def _store_timeout(env: Mapping[str, str], default: int = 1800) -> int:
+    """``RDZV_STORE_TIMEOUT``: seconds the other nodes wait for node 0's rendezvous store."""
+    if not env.get("RDZV_STORE_TIMEOUT"):
+        return default
+    value = _int(env, "RDZV_STORE_TIMEOUT", "set it above node 0's restore time, in seconds")
+    if value < 1:
+        raise LaunchError(f"RDZV_STORE_TIMEOUT={value}; fix: set it above node 0's restore time, in seconds")
+    return value
+
+
 def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
     if env.get("SLURM_JOB_ID"):
         platform = "slurm"
@@ -186,13 +196,6 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
     if not os.access(path, os.W_OK):
         raise LaunchError(f"LOCAL_NVME={nvme} is not writable by uid {os.getuid()}; fix: chown it or set fsGroup")
     rdzv_port = int(env.get("RDZV_PORT", port))
-    store_timeout = (
-        _int(env, "RDZV_STORE_TIMEOUT", "seconds ranks wait for the rendezvous store")
-        if env.get("RDZV_STORE_TIMEOUT")
-        else 1800
-    )
-    if store_timeout < 1:
-        raise LaunchError(f"RDZV_STORE_TIMEOUT={store_timeout}; fix: set it above node 0's restore time, in seconds")
     return LaunchPlan(
         platform,
         node_rank,
@@ -203,7 +206,7 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         nvme,
         env.get("RUN_ID"),
         restarts,
-        store_timeout,
+        _store_timeout(env),
     )
 
 
