@@ -4,9 +4,9 @@ from a programming error (``TypeError``, ``KeyError``, ``AssertionError``, ...),
 caught and reported as an I/O failure.
 
 * :class:`CheckpointError`: a step cannot be verified, published, restored or leased;
-* :class:`ObjectStoreError`: the object store is unreachable, refused, or lacks an object
-  (:class:`ObjectNotFound`), a condition failed (:class:`PreconditionFailed`), or a body broke
-  off (:class:`TransferInterrupted`).
+* :class:`ObjectStoreError`: the object store is unreachable, refused the caller
+  (:class:`AccessDenied`), or lacks an object (:class:`ObjectNotFound`), a condition failed
+  (:class:`PreconditionFailed`), or a body broke off (:class:`TransferInterrupted`).
 
 Every message is one line naming the file or object and, where there is one, the fix.
 """
