@@ -4,6 +4,7 @@ of a config."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -154,6 +155,21 @@ def _launch(args: argparse.Namespace) -> int:
         return int(exc.code)
 
 
+def _node_domain(args: argparse.Namespace) -> int:
+    from pretrain.commands.node_domain import ApiServer, labels_from, node_domain
+    from pretrain.errors import LaunchError
+
+    labels = labels_from(args.label, os.environ)
+    api = ApiServer(args.api_server, Path(args.token_file), None) if args.api_server else None
+    try:
+        label, domain = node_domain(args.node, labels, Path(args.output), node_json=args.node_json, api=api)
+    except LaunchError as exc:
+        print(f"node-domain error: {exc}", file=sys.stderr)
+        return 2
+    print(f"node {args.node}: failure domain {domain} (label {label}) -> {args.output}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from pretrain.commands.status import format_status, status_json
 
@@ -167,7 +183,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def _upload(args: argparse.Namespace) -> int:
     configure_logging()
-    return run_upload(load_config(args.config, args.set or []), watch=args.watch, max_seconds=args.max_seconds)
+    cfg = load_config(args.config, args.set or [])
+    return run_upload(cfg, watch=args.watch, max_seconds=args.max_seconds, metrics_port=args.metrics_port)
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -184,6 +201,7 @@ def _add_tier3_commands(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
     mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
     up.add_argument("--max-seconds", type=float, default=None, help="stop watching after this long")
+    up.add_argument("--metrics-port", type=int, default=None, help="serve the uploader's Prometheus metrics here")
     up.set_defaults(func=_upload)
 
     g = sub.add_parser("gc", help="tiering gc with checkpoint.s3.keep/milestone_every (dry run unless --apply)")
@@ -191,6 +209,23 @@ def _add_tier3_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--set", action="append", metavar="KEY=VALUE")
     g.add_argument("--apply", action="store_true")
     g.set_defaults(func=_gc)
+
+
+def _add_node_domain_command(sub: argparse._SubParsersAction) -> None:
+    """``pretrain node-domain``: the Kubernetes init container that writes the launcher's topology file."""
+    nd = sub.add_parser("node-domain", help="write this node's failure domain (from its labels) into a topology file")
+    nd.add_argument("--node", default=os.environ.get("NODE_NAME", ""), help="the node (default: NODE_NAME)")
+    nd.add_argument(
+        "--label",
+        action="append",
+        help="node label naming the domain, first present wins (repeatable; default: FAILURE_DOMAIN_LABEL, "
+        "else topology.k8s.aws/network-node-layer-3)",
+    )
+    nd.add_argument("--output", required=True, help="the topology file pretrain launch reads (TOPOLOGY_FILE)")
+    nd.add_argument("--node-json", type=Path, default=None, help="a recorded `kubectl get node -o json` instead")
+    nd.add_argument("--api-server", default=None, help="API server URL (default: in-cluster)")
+    nd.add_argument("--token-file", default="/var/run/secrets/kubernetes.io/serviceaccount/token")
+    nd.set_defaults(func=_node_domain)
 
 
 def _add_data_commands(sub: argparse._SubParsersAction) -> None:
@@ -248,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
     la.add_argument("--set", action="append", metavar="KEY=VALUE")
     la.set_defaults(func=_launch)
+
+    _add_node_domain_command(sub)
 
     st = sub.add_parser("status", help="one line per attempt of a run: restores, lost steps, RTO, failures")
     st.add_argument("run_dir", help="<run.dir>/<run.id>, e.g. runs/tiny-run")

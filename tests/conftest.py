@@ -109,6 +109,7 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     os.environ["AWS_ACCESS_KEY_ID"] = "testing"
     os.environ["AWS_SECRET_ACCESS_KEY"] = RGW_SECRET
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ["RP_TEST_RGW_CONF"] = f"{state}/ceph.conf"  # radosgw-admin for tests that add users
     try:
         yield endpoint
     finally:

@@ -1,13 +1,19 @@
 """The Kubernetes deployment: every overlay built with kustomize and validated offline against the
 Kubernetes OpenAPI schemas in strict mode; the JobSet against its CRD's schema; cross-object
-consistency (replicas = NNODES, grace period > emergency save, configs that load); the IAM policy."""
+consistency (replicas = NNODES, grace period > emergency save, configs that load, every name a pod
+references exists in the render); what a trainer pod needs from its node (/dev/shm in memory, the
+NVMe mount, no hostPath that creates its directory); failure domains from node labels; lifecycle
+(OnDelete, PDB, priority, disruptions not counted); one identity per job and a securityContext on
+every container; the IAM policy."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,19 @@ K8S_VERSION = "1.33.0"
 CRD_KINDS = {"JobSet", "PrometheusRule", "PodMonitor"}
 
 
-def build(overlay: str) -> list[dict[str, Any]]:
+@functools.cache
+def render(overlay: str) -> str:
+    """``kubectl kustomize`` of one overlay, once per test session (the tree does not change under it)."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (for `kubectl kustomize`) is not installed"
     out = subprocess.run([kubectl, "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return out.stdout
+
+
+def build(overlay: str) -> list[dict[str, Any]]:
+    """The render's objects, parsed afresh for every caller (tests may modify them)."""
+    return [d for d in yaml.safe_load_all(render(overlay)) if d]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -43,6 +56,58 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
 
 def env_configmap(docs: list[dict[str, Any]]) -> dict[str, str]:
     return next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].startswith("pretrain-env"))["data"]
+
+
+@dataclass
+class PodTemplate:
+    """A pod template of the render, whoever owns it (StatefulSet, JobSet, Deployment, CronJob)."""
+
+    owner: str  # Kind/name
+    metadata: dict[str, Any]
+    spec: dict[str, Any]
+
+    @property
+    def component(self) -> str:
+        return self.metadata.get("labels", {}).get("app.kubernetes.io/component", "")
+
+    def labels(self, index: int) -> dict[str, str]:
+        """The labels pod ``index`` carries: the template's plus those its controller adds."""
+        kind, name = self.owner.split("/")
+        extra = {
+            "StatefulSet": {"statefulset.kubernetes.io/pod-name": f"{name}-{index}"},
+            "JobSet": {"jobset.sigs.k8s.io/job-index": str(index)},
+        }.get(kind, {})
+        return {**self.metadata.get("labels", {}), **extra}
+
+    def containers(self) -> list[dict[str, Any]]:
+        return [*self.spec.get("initContainers", []), *self.spec["containers"]]
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> list[PodTemplate]:
+    out = []
+    for d in docs:
+        owner, spec = f"{d['kind']}/{d['metadata']['name']}", d.get("spec", {})
+        if d["kind"] in ("StatefulSet", "Deployment"):
+            templates = [spec["template"]]
+        elif d["kind"] == "CronJob":
+            templates = [spec["jobTemplate"]["spec"]["template"]]
+        elif d["kind"] == "JobSet":
+            templates = [rj["template"]["spec"]["template"] for rj in spec["replicatedJobs"]]
+        else:
+            continue
+        out += [PodTemplate(owner, t.get("metadata", {}), t["spec"]) for t in templates]
+    return out
+
+
+def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are checked here"
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def trainer_pods(docs: list[dict[str, Any]]) -> list[PodTemplate]:
+    pods = [t for t in pod_templates(docs) if t.component == "trainer"]
+    assert pods, "no trainer pod template in the render"
+    return pods
 
 
 def job_of(jobset: dict[str, Any], i: int = 0) -> dict[str, Any]:
@@ -96,10 +161,10 @@ def test_statefulset_shape(overlay: str, nodes: int, gpus: str | None, tmp_path:
     env = env_of(trainer)
     assert env["NNODES"] == str(nodes), "NNODES must equal the replica count"
     assert env["RDZV_HOST"] == f"{sts['metadata']['name']}-0.{svc['metadata']['name']}"
-    assert env["FAILURE_DOMAIN"] == {"fieldRef": {"fieldPath": "metadata.labels['topology.kubernetes.io/zone']"}}
+    assert "FAILURE_DOMAIN" not in env and env["TOPOLOGY_FILE"].startswith("/run/pretrain/")
     anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
-    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert "topologySpreadConstraints" not in pod, "EFA needs one zone: no zone spread"
     limits = trainer["resources"].get("limits", {})
     assert limits.get("nvidia.com/gpu") == gpus and trainer["resources"]["requests"].get("nvidia.com/gpu") == gpus
     nvme = next(v for v in pod["volumes"] if v["name"] == "nvme")
@@ -129,9 +194,13 @@ def test_statefulset_shape(overlay: str, nodes: int, gpus: str | None, tmp_path:
     assert claims == {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
     pvc = by_kind(docs, "PersistentVolumeClaim")[0]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"].get("storageClassName")
-    sa = by_kind(docs, "ServiceAccount")[0]
-    assert sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith("arn:aws:iam::")
-    assert pod["serviceAccountName"] == up_pod["serviceAccountName"] == sa["metadata"]["name"]
+    roles = {
+        sa["metadata"]["name"]: sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+        for sa in by_kind(docs, "ServiceAccount")
+    }
+    assert roles[pod["serviceAccountName"]].endswith("-reader") and roles[up_pod["serviceAccountName"]].endswith(
+        "-writer"
+    )
 
 
 def test_jobset_restarts_the_whole_group_and_stops_on_config_errors() -> None:
@@ -141,7 +210,8 @@ def test_jobset_restarts_the_whole_group_and_stops_on_config_errors() -> None:
     assert policy["maxRestarts"] > 0 and policy["restartStrategy"] == "Recreate"
     job = job_of(js)["spec"]
     assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
-    assert job["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
+    fail_job = next(r for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob")
+    assert fail_job["onExitCodes"]["values"] == [2]
     assert policy["rules"][0]["action"] == "FailJobSet"
     trainer = job["template"]["spec"]["containers"][0]
     env = env_of(trainer)
@@ -156,9 +226,20 @@ def test_prometheus_rule_is_the_promtool_tested_rules_file() -> None:
         docs = build(overlay)
         rule = by_kind(docs, "PrometheusRule")[0]
         assert rule["spec"]["groups"] == yaml.safe_load((REPO / "monitoring" / "alerts.yaml").read_text())["groups"]
-        monitor = by_kind(docs, "PodMonitor")[0]
-        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-        assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
+        monitors = {
+            m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: m for m in by_kind(docs, "PodMonitor")
+        }
+        assert set(monitors) == {"trainer", "uploader"}
+        for component, monitor in monitors.items():
+            # Every selected pod serves the endpoint's port: no target is down by design.
+            port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+            selected = [t for t in pod_templates(docs) if matches(monitor["spec"]["selector"], t.labels(0))]
+            assert [t.owner for t in selected] == [t.owner for t in pod_templates(docs) if t.component == component]
+            for t in selected:
+                assert any(p["name"] == port for c in t.spec["containers"] for p in c.get("ports", []))
+            if component == "trainer":  # only global rank 0 serves training metrics: pod 0 only
+                (t,) = selected
+                assert not matches(monitor["spec"]["selector"], t.labels(1)), "the PodMonitor must select pod 0 only"
 
 
 def test_iam_policy_grants_only_the_run_prefix() -> None:
@@ -169,14 +250,207 @@ def test_iam_policy_grants_only_the_run_prefix() -> None:
             actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
             assert all(a.startswith("s3:") and "*" not in a for a in actions), st
             for res in st["Resource"]:
-                if res == "arn:aws:s3:::BUCKET":  # bucket-level: listing, limited to the run prefix
-                    assert set(actions) <= {"s3:ListBucket", "s3:ListBucketMultipartUploads"}
-                    assert st["Condition"]["StringLike"]["s3:prefix"] == ["PREFIX/RUN_ID/*"]
+                if res == "arn:aws:s3:::BUCKET" and actions == ["s3:ListBucketMultipartUploads"]:
+                    assert "Condition" not in st  # it has no s3:prefix key: a condition on it never applies
+                elif res == "arn:aws:s3:::BUCKET":  # bucket-level: listing, limited to the run prefix
+                    assert actions == ["s3:ListBucket"]
+                    assert st["Condition"] == {"StringLike": {"s3:prefix": ["PREFIX/RUN_ID/*"]}}
                 else:
                     assert res.startswith("arn:aws:s3:::BUCKET/PREFIX/RUN_ID/"), res
     writer = {a for st in policy["Writer"]["Statement"] for a in st["Action"]}
     assert "s3:DeleteObject" not in writer, "the trainer/uploader role must not delete: only the gc identity does"
     reader = {a for st in policy["Reader"]["Statement"] for a in st["Action"]}
-    assert reader <= {"s3:GetObject", "s3:ListBucket"}
+    assert reader == {"s3:GetObject", "s3:ListBucket"}, "the trainer's role only reads"
     gc = {a for st in policy["Gc"]["Statement"] for a in st["Action"]}
     assert "s3:DeleteObject" in gc and "s3:PutObject" in writer
+
+
+def volume_references(volumes: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    refs = set()
+    for v in volumes:
+        if "configMap" in v:
+            refs.add(("ConfigMap", v["configMap"]["name"]))
+        if "secret" in v:
+            refs.add(("Secret", v["secret"]["secretName"]))
+        if "persistentVolumeClaim" in v:
+            refs.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+        for src in v.get("projected", {}).get("sources", []):
+            refs |= {
+                (kind, src[key]["name"])
+                for key, kind in (("configMap", "ConfigMap"), ("secret", "Secret"))
+                if key in src
+            }
+    return refs
+
+
+def container_references(container: dict[str, Any]) -> set[tuple[str, str]]:
+    refs = set()
+    for src in container.get("envFrom", []):
+        refs |= {
+            (kind, src[key]["name"])
+            for key, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret"))
+            if key in src
+        }
+    for e in container.get("env", []):
+        source = e.get("valueFrom", {})
+        refs |= {
+            (kind, source[key]["name"])
+            for key, kind in (("configMapKeyRef", "ConfigMap"), ("secretKeyRef", "Secret"))
+            if key in source
+        }
+    return refs
+
+
+def references(pod: PodTemplate) -> set[tuple[str, str]]:
+    """(kind, name) of every object the pod names: ConfigMaps, Secrets, PVCs, its ServiceAccount
+    and PriorityClass, wherever a pod spec can name them."""
+    refs = {("ServiceAccount", pod.spec.get("serviceAccountName", "default"))}
+    if "priorityClassName" in pod.spec:
+        refs.add(("PriorityClass", pod.spec["priorityClassName"]))
+    refs |= volume_references(pod.spec.get("volumes", []))
+    for c in pod.containers():
+        refs |= container_references(c)
+    return refs
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_a_pod_names_exists_in_the_render(overlay: str) -> None:
+    """A name kustomize did not rewrite (a generated ConfigMap's hash suffix in a CRD) leaves the pod
+    in CreateContainerConfigError forever: nothing fails, so nothing restarts it."""
+    docs = build(overlay)
+    present = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for pod in pod_templates(docs):
+        missing = references(pod) - present
+        assert not missing, f"{overlay}: {pod.owner} references {sorted(missing)}, absent from the render"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_trainer_pod_has_shm_in_memory_and_the_nvme_mount(overlay: str) -> None:
+    docs = build(overlay)
+    for pod in trainer_pods(docs):
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        trainer = next(c for c in pod.spec["containers"] if c["name"] == "trainer")
+        mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
+        shm = volumes[mounts["/dev/shm"]]  # KeyError: NCCL gets the container's 64 MiB /dev/shm
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"], pod.owner
+        nvme_path = env_of(trainer)["LOCAL_NVME"]
+        nvme = volumes[mounts[nvme_path]]
+        assert nvme["hostPath"]["type"] == "Directory", pod.owner
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_hostpath_creates_its_directory(overlay: str) -> None:
+    """DirectoryOrCreate (or no type) on an unmounted instance store writes tier 1 to the root disk."""
+    for pod in pod_templates(build(overlay)):
+        for v in pod.spec.get("volumes", []):
+            if "hostPath" in v:
+                assert v["hostPath"].get("type") in ("Directory", "File", "Socket", "CharDevice", "BlockDevice"), (
+                    f"{overlay}: {pod.owner} volume {v['name']}: hostPath type {v['hostPath'].get('type')!r} "
+                    "may create it; use type: Directory"
+                )
+
+
+def test_h100_statefulset_and_jobset_get_the_same_node_parts() -> None:
+    """One component gives both H100 deployments the same node: GPUs, EFA, hugepages, /dev/shm, NVMe, zone."""
+    (sts,) = trainer_pods(build("overlays/h100"))
+    (js,) = trainer_pods(build("overlays/h100-jobset"))
+    for key in ("nodeSelector", "tolerations", "volumes", "terminationGracePeriodSeconds", "securityContext"):
+        assert sts.spec[key] == js.spec[key], key
+    res = [next(c for c in p.spec["containers"] if c["name"] == "trainer")["resources"] for p in (sts, js)]
+    assert res[0] == res[1] and res[0]["limits"]["hugepages-2Mi"] == res[0]["requests"]["hugepages-2Mi"]
+    assert res[0]["limits"]["vpc.amazonaws.com/efa"] == "32"
+    nvme = next(v for v in sts.spec["volumes"] if v["name"] == "nvme")
+    assert nvme["hostPath"]["path"] == "/mnt/k8s-disks/0/pretrain"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_failure_domain_comes_from_the_node_labels(overlay: str) -> None:
+    """The node-domain init container reads the pod's Node (RBAC: get nodes, nothing more) and writes
+    the topology file the trainer's launcher reads; no pod-label downward API, no zone spread."""
+    docs = build(overlay)
+    for pod in trainer_pods(docs):
+        init = next(c for c in pod.spec["initContainers"] if c["name"] == "node-domain")
+        assert init["command"][:2] == ["pretrain", "node-domain"]
+        output = init["command"][init["command"].index("--output") + 1]
+        trainer = next(c for c in pod.spec["containers"] if c["name"] == "trainer")
+        env = env_of(trainer)
+        assert env["TOPOLOGY_FILE"] == output and "FAILURE_DOMAIN" not in env
+        assert env_of(init)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        mount = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}["/run/pretrain"]
+        assert {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}["/run/pretrain"] == mount
+        assert "topologySpreadConstraints" not in pod.spec
+        sa = pod.spec["serviceAccountName"]
+        namespace = next(d for d in docs if d["kind"] == "StatefulSet" or d["kind"] == "JobSet")["metadata"].get(
+            "namespace"
+        )
+        binding = next(
+            d for d in by_kind(docs, "ClusterRoleBinding") if d["metadata"]["name"] == "pretrain-node-reader"
+        )
+        assert {"kind": "ServiceAccount", "name": sa, "namespace": namespace} in binding["subjects"]
+        role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == binding["roleRef"]["name"])
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    label = env_configmap(docs)["FAILURE_DOMAIN_LABEL"]
+    assert label == ("kubernetes.io/hostname" if "cpu" in overlay else "topology.k8s.aws/network-node-layer-3")
+
+
+@pytest.mark.parametrize("overlay", ["overlays/h100", "overlays/h100-jobset"])
+def test_efa_pods_are_pinned_to_one_zone_and_placement_group(overlay: str) -> None:
+    (pod,) = trainer_pods(build(overlay))
+    selector = pod.spec["nodeSelector"]
+    assert selector["topology.kubernetes.io/zone"] and selector["eks.amazonaws.com/nodegroup"]
+    assert "nodeAffinity" not in pod.spec.get("affinity", {}), "one pin, in nodeSelector"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_voluntary_disruptions_cannot_take_a_trainer_pod(overlay: str) -> None:
+    docs = build(overlay)
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 0
+    priority = {d["metadata"]["name"]: d for d in by_kind(docs, "PriorityClass")}
+    for pod in trainer_pods(docs):
+        assert matches(pdb["spec"]["selector"], pod.labels(0)), pod.owner
+        assert pod.metadata["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+        assert priority[pod.spec["priorityClassName"]]["value"] >= 1_000_000
+    others = [t for t in pod_templates(docs) if t.component != "trainer"]
+    assert others and not any(matches(pdb["spec"]["selector"], t.labels(0)) for t in others)
+    for sts in by_kind(docs, "StatefulSet"):
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}, "no rolling restart of a synchronous job"
+
+
+def test_jobset_does_not_count_disruptions_against_its_restarts() -> None:
+    js = by_kind(build("overlays/h100-jobset"), "JobSet")[0]
+    rules = job_of(js)["spec"]["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert js["spec"]["failurePolicy"]["maxRestarts"] >= 100
+
+
+SECURE_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_drops_privileges(overlay: str) -> None:
+    """Nothing in these pods needs root (docs/runbook.md#identities-and-privileges)."""
+    for pod in pod_templates(build(overlay)):
+        ctx = pod.spec["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0, pod.owner
+        for c in pod.containers():
+            got = {k: c.get("securityContext", {}).get(k) for k in SECURE_CONTAINER}
+            assert got == SECURE_CONTAINER, f"{overlay}: {pod.owner} container {c['name']}: {got}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_job_has_its_own_identity(overlay: str) -> None:
+    """Trainers read, the uploader writes, the GC CronJob deletes: three ServiceAccounts, three roles."""
+    docs = build(overlay)
+    roles = {
+        sa["metadata"]["name"]: sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+        for sa in by_kind(docs, "ServiceAccount")
+    }
+    by_component = {t.component: roles[t.spec["serviceAccountName"]] for t in pod_templates(docs)}
+    assert by_component["trainer"].endswith("-reader")
+    assert by_component["uploader"].endswith("-writer")
+    assert by_component["gc"].endswith("-gc")
+    (gc,) = by_kind(docs, "CronJob")
+    assert gc["spec"]["concurrencyPolicy"] == "Forbid"
+    command = gc["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["pretrain", "gc"] and "--apply" in command

@@ -17,7 +17,7 @@ a launcher that needs one name never pays for torch or boto3):
   :class:`SingleProcess` runs every tier in one process.
 * Errors (:mod:`tiering.errors`): every failure derives from :class:`TieringError`:
   :class:`CheckpointError` (:class:`VerificationError`, :class:`PublishError`, :class:`DiskFull`)
-  and :class:`ObjectStoreError` (:class:`ObjectNotFound`).
+  and :class:`ObjectStoreError` (:class:`ObjectNotFound`, :class:`AccessDenied`).
 
 ``tiering`` never imports ``pretrain``: the trainer uses it, not the other way round.
 """
@@ -50,6 +50,7 @@ _EXPORTS = {
     "DiskFull": "tiering.errors",
     "ObjectStoreError": "tiering.errors",
     "ObjectNotFound": "tiering.errors",
+    "AccessDenied": "tiering.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,12 +24,12 @@ import time
 import warnings
 from pathlib import Path
 
-from tiering.errors import LeaseError, VerificationError
+from tiering.errors import AccessDenied, LeaseError, VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier, StepStatus
 from tiering.remote import RemoteTier, default_owner
-from tiering.uploader import Backoff, Uploader
+from tiering.uploader import Backoff, Uploader, UploaderMetrics
 from tiering.verify import verify_step
 
 
@@ -213,14 +213,20 @@ def upload(
     poll_s: float = 5.0,
     retry_max_s: float = 60.0,
     max_seconds: float | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     """Promote committed ``staging`` steps to ``remote`` as ``owner``: what is pending, or keep
-    polling (``watch``) until SIGTERM or ``max_seconds``, backing off while the store is down.
+    polling (``watch``) until SIGTERM or ``max_seconds``, backing off while the store is down;
+    ``metrics_port``: serve :class:`tiering.uploader.UploaderMetrics` there.
 
     Prints ``{"uploaded": [...], "pending": [...]}`` and returns 0; returns 1 with one line on
     stderr if another owner holds the run or the store refuses.
     """
-    uploader = Uploader(remote, staging, owner)
+    metrics = None
+    if metrics_port is not None:
+        metrics = UploaderMetrics(remote.run_id)
+        metrics.serve(metrics_port)
+    uploader = Uploader(remote, staging, owner, metrics=metrics)
     try:
         if watch:
             stop = threading.Event()
@@ -271,6 +277,7 @@ def _upload(args: argparse.Namespace) -> int:
         poll_s=args.poll_s,
         retry_max_s=args.retry_max_s,
         max_seconds=args.max_seconds,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -298,7 +305,9 @@ def _restore(args: argparse.Namespace) -> int:
         step, rejected = remote.restore_newest(layout, f"restore-{int(time.time())}")
     except ObjectStoreError as exc:
         print(f"tiering restore: {exc}", file=sys.stderr)
-        return soft
+        # A refused identity is a deployment error, not an outage: fail the pod where it shows,
+        # rather than train on from an older tier (or from step 0) while S3 holds newer steps.
+        return 1 if isinstance(exc, AccessDenied) else soft
     for bad_step, reason in rejected:
         print(f"rejected step {bad_step}: {reason}")
     if step is None:
@@ -368,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--once", action="store_true", help="upload what is pending and exit (default)")
     mode.add_argument("--watch", action="store_true", help="keep polling the staging directory")
     up.add_argument("--max-seconds", type=float, default=None, help="stop watching after this long")
+    up.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     up.add_argument(
         "--inject-fault",
         default=None,

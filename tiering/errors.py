@@ -4,9 +4,9 @@ from a programming error (``TypeError``, ``KeyError``, ``AssertionError``, ...),
 caught and reported as an I/O failure.
 
 * :class:`CheckpointError`: a step cannot be verified, published, restored or leased;
-* :class:`ObjectStoreError`: the object store is unreachable, refused, or lacks an object
-  (:class:`ObjectNotFound`), a condition failed (:class:`PreconditionFailed`), or a body broke
-  off (:class:`TransferInterrupted`).
+* :class:`ObjectStoreError`: the object store is unreachable, refused the caller
+  (:class:`AccessDenied`), or lacks an object (:class:`ObjectNotFound`), a condition failed
+  (:class:`PreconditionFailed`), or a body broke off (:class:`TransferInterrupted`).
 
 Every message is one line naming the file or object and, where there is one, the fix.
 """
@@ -65,6 +65,12 @@ class ObjectNotFound(ObjectStoreError):
     def __init__(self, key: str) -> None:
         self.key = key
         super().__init__(f"{key}: no such object")
+
+
+class AccessDenied(ObjectStoreError):
+    """The store refused the caller (HTTP 403): a missing permission, or, for a key that does not
+    exist, a caller the store will not tell whether it exists (S3 answers 404 only to a caller allowed
+    to list the key's prefix)."""
 
 
 class PreconditionFailed(ObjectStoreError):

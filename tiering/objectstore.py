@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from tiering.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, TransferInterrupted
+from tiering.errors import AccessDenied, ObjectNotFound, ObjectStoreError, PreconditionFailed, TransferInterrupted
 
 # A ranged GET is consumed in pieces this size: each piece is hashed and written while it is still in
 # the CPU's cache, and eight downloads in flight hold 8 MiB of buffers, not eight whole chunks.
@@ -36,6 +36,7 @@ class ObjectInfo:
     size: int
     etag: str
     digest: str | None = None  # "<hash>:<whole-file digest>" recorded at upload (object metadata), when known
+    mtime: float | None = None  # Unix time the object was written (listings only)
 
 
 class ObjectStore(Protocol):
@@ -157,6 +158,11 @@ class S3Store:
                 raise PreconditionFailed(f"{self.url}/{what}: precondition failed") from exc
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 raise ObjectNotFound(what) from exc
+            if code in ("AccessDenied", "403", "Forbidden") or status == 403:
+                raise AccessDenied(
+                    f"{self.url}/{what}: access denied (HTTP 403); fix: grant this identity's role the run "
+                    "prefix's actions in k8s/common/iam-policy.json"
+                ) from exc
             raise ObjectStoreError(f"{self.url}/{what}: {code or status}: {exc}") from exc
         except (BotoCoreError, Boto3Error) as exc:
             # Boto3Error: upload_file/download_file wrap a part's final error (e.g. 503 SlowDown after
@@ -184,9 +190,29 @@ class S3Store:
             return self.client.put_object(**kwargs)["ETag"].strip('"')
 
     def get_bytes(self, key: str) -> tuple[bytes, str]:
-        with self._errors(key):
-            resp = self.client.get_object(Bucket=self.bucket, Key=key)
-            return resp["Body"].read(), resp["ETag"].strip('"')
+        try:
+            with self._errors(key):
+                resp = self.client.get_object(Bucket=self.bucket, Key=key)
+                return resp["Body"].read(), resp["ETag"].strip('"')
+        except AccessDenied:
+            raise self._absent_or_denied(key) from None
+
+    def _absent_or_denied(self, key: str) -> ObjectStoreError:
+        """What a 403 on ``key`` means. S3 (and Ceph RGW, tested) answers 403, not 404, for a
+        missing key to a caller whose ListBucket grant does not cover that request: a GET carries
+        no ``s3:prefix``, so a grant conditioned on one (the least-privilege policy) never
+        applies. Listing the key's own name, which that grant allows, tells absent (ObjectNotFound) from
+        really denied (the listing names the key, or is refused too)."""
+        try:
+            listed = self.list(key)
+        except AccessDenied as exc:
+            return exc
+        if any(o.key == key for o in listed):
+            return AccessDenied(
+                f"{self.url}/{key}: exists but reading it is denied (HTTP 403); fix: grant this identity's "
+                "role s3:GetObject on the run prefix (k8s/common/iam-policy.json)"
+            )
+        return ObjectNotFound(key)
 
     def download_file(self, key: str, path: Path) -> None:
         with self._errors(key):
@@ -240,6 +266,11 @@ class S3Store:
                 resp = self.client.head_object(Bucket=self.bucket, Key=key)
         except ObjectNotFound:
             return None
+        except AccessDenied:
+            reason = self._absent_or_denied(key)
+            if isinstance(reason, ObjectNotFound):
+                return None
+            raise reason from None
         meta = resp.get("Metadata", {})
         digest = meta.get("digest") or (f"sha256:{meta['sha256']}" if "sha256" in meta else None)
         return ObjectInfo(key, resp["ContentLength"], resp["ETag"].strip('"'), digest)
@@ -248,7 +279,10 @@ class S3Store:
         out = []
         with self._errors(prefix):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-                out += [ObjectInfo(o["Key"], o["Size"], o["ETag"].strip('"')) for o in page.get("Contents", [])]
+                out += [
+                    ObjectInfo(o["Key"], o["Size"], o["ETag"].strip('"'), mtime=o["LastModified"].timestamp())
+                    for o in page.get("Contents", [])
+                ]
         return out
 
     def delete(self, keys: list[str]) -> None:
@@ -386,7 +420,8 @@ class FileStore:
                     continue
                 key = (Path(dirpath) / name).relative_to(base).as_posix()
                 if key.startswith(prefix):
-                    out.append(ObjectInfo(key, (Path(dirpath) / name).stat().st_size, ""))
+                    st = (Path(dirpath) / name).stat()
+                    out.append(ObjectInfo(key, st.st_size, "", mtime=st.st_mtime))
         return sorted(out, key=lambda o: o.key)
 
     def delete(self, keys: list[str]) -> None:

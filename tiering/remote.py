@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.digest import bad_chunk_reason, chunk_range, new_hasher
-from tiering.errors import CheckpointError, LeaseError, ObjectNotFound, TransferInterrupted, VerificationError
+from tiering.errors import (
+    AccessDenied,
+    CheckpointError,
+    LeaseError,
+    ObjectNotFound,
+    TransferInterrupted,
+    VerificationError,
+)
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
@@ -115,7 +122,13 @@ class RemoteTier:
             return
         except PreconditionFailed:
             pass
-        raw, _ = self.store.get_bytes(self.key("run.json"))
+        except AccessDenied:
+            pass  # a read-only identity (the trainer's role): it can check a lease, not create one
+        try:
+            raw, _ = self.store.get_bytes(self.key("run.json"))
+        except ObjectNotFound:
+            log.info("%s: no run lease yet; the uploader's identity creates it", self.where(self.key("run.json")))
+            return
         try:
             owner = json.loads(raw)["owner"]
         except (ValueError, KeyError) as exc:

@@ -38,7 +38,9 @@ def staging_tier(cfg: Config) -> PosixTier:
     return PosixTier(tier.dir, cfg.run.id, tier.keep, name="reshardable")
 
 
-def run_upload(cfg: Config, *, watch: bool = False, max_seconds: float | None = None) -> int:
+def run_upload(
+    cfg: Config, *, watch: bool = False, max_seconds: float | None = None, metrics_port: int | None = None
+) -> int:
     """``tiering upload`` with the store, run, owner, polling and backoff of ``cfg``."""
     s3 = cfg.checkpoint.s3
     return tiering_cli.upload(
@@ -49,6 +51,7 @@ def run_upload(cfg: Config, *, watch: bool = False, max_seconds: float | None = 
         poll_s=s3.poll_s,
         retry_max_s=s3.retry_max_s,
         max_seconds=max_seconds,
+        metrics_port=metrics_port,
     )
 
 

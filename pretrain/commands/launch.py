@@ -10,9 +10,12 @@ input fails at start with one line naming what is wrong and how to fix it.
 * Kubernetes (StatefulSet): the pod ordinal is parsed from ``HOSTNAME`` (``pretrain-3`` -> 3), since
   ``fieldRef: metadata.name`` gives a name, not an integer; ``NNODES`` (the replica count) and
   ``RDZV_HOST`` (e.g. ``pretrain-0.pretrain``, the headless Service DNS name of pod 0).
-* Both: ``LOCAL_NVME`` (node-local checkpoint root, must exist and be writable), ``FAILURE_DOMAIN``
+* Both: ``RDZV_STORE_TIMEOUT`` (seconds the other nodes wait for node 0's rendezvous store, default
+  1800: above node 0's restore), ``LOCAL_NVME`` (node-local checkpoint root, must exist and be
+  writable), ``FAILURE_DOMAIN``
   (rack/zone/switch) or ``TOPOLOGY_FILE`` (``node domain`` lines, e.g. each node's leaf switch;
-  default: the node is its own domain), ``RUN_ID`` (default: the config's ``run.id``).
+  on Kubernetes written by ``pretrain node-domain`` from the node's labels; default: the node is
+  its own domain), ``RUN_ID`` (default: the config's ``run.id``).
   With a topology file, a job whose nodes all share one domain is refused (replicas would share
   the failure they exist to survive) unless ``ALLOW_SAME_DOMAIN=1``.
 * A node count whose world size the parallel layout or the global batch cannot divide (a
@@ -55,6 +58,7 @@ class LaunchPlan:
     local_nvme: str
     run_id: str | None
     restart_count: int
+    store_timeout_s: int = 1800
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
@@ -130,6 +134,16 @@ def _int(env: Mapping[str, str], name: str, fix: str) -> int:
         raise LaunchError(f"{name}={value!r} is not an integer; fix: {fix}") from exc
 
 
+def _store_timeout(env: Mapping[str, str], default: int = 1800) -> int:
+    """``RDZV_STORE_TIMEOUT``: seconds the other nodes wait for node 0's rendezvous store."""
+    if not env.get("RDZV_STORE_TIMEOUT"):
+        return default
+    value = _int(env, "RDZV_STORE_TIMEOUT", "set it above node 0's restore time, in seconds")
+    if value < 1:
+        raise LaunchError(f"RDZV_STORE_TIMEOUT={value}; fix: set it above node 0's restore time, in seconds")
+    return value
+
+
 def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
     if env.get("SLURM_JOB_ID"):
         platform = "slurm"
@@ -192,7 +206,25 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         nvme,
         env.get("RUN_ID"),
         restarts,
+        _store_timeout(env),
     )
+
+
+def rendezvous_conf(plan: LaunchPlan) -> str:
+    """The c10d rendezvous settings ``--rdzv-conf`` passes (NVRx's fault_tolerance/launcher.py and
+    its c10d_rendezvous_backend.py read them):
+
+    * ``is_host``: node 0 serves the TCP store, said outright. Left to itself the launcher guesses by
+      comparing the endpoint's name with its own, and if a guessed host cannot bind it quietly
+      becomes a client of a store nobody serves.
+    * ``read_timeout``: how long the other nodes' launchers wait to reach that store (NVRx default
+      600 s). Node 0's launcher starts only after its restore (a Kubernetes init container
+      downloading the newest step from S3), so this must exceed the restore: ``RDZV_STORE_TIMEOUT``.
+    * ``join_timeout``: the whole rendezvous round, at least as long (NVRx default 900 s).
+    """
+    is_host = 1 if plan.node_rank == 0 else 0
+    join = max(plan.store_timeout_s, 900)
+    return f"is_host={is_host},read_timeout={plan.store_timeout_s},join_timeout={join}"
 
 
 def ft_launcher_argv(
@@ -217,6 +249,7 @@ def ft_launcher_argv(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={plan.rdzv_endpoint}",
         f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rendezvous_conf(plan)}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=1",
         f"--workers-stop-timeout={workers_stop_timeout}",

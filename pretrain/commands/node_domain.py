@@ -1,0 +1,136 @@
+"""``pretrain node-domain``: this pod's node's failure domain, read from the node's own labels.
+
+Owns one step of a Kubernetes trainer pod's start: the init container ``node-domain``
+(k8s/base/statefulset.yaml, k8s/jobset/jobset.yaml) asks the API server for its Node (RBAC: ``get
+nodes``, k8s/common/rbac.yaml), takes the first of the configured labels the node carries (default
+EKS's ``topology.k8s.aws/network-node-layer-3``, the network node nearest the instance) and writes
+``<node> <domain>`` into the topology file that ``pretrain launch`` reads (``TOPOLOGY_FILE``; see
+pretrain/commands/launch.py). Pods do not carry their node's labels, so the downward API cannot
+give this.
+
+A node without any of the labels refuses in one line naming the node, the labels and the fix:
+silently making each node its own domain would hide a misconfigured node group. It never lists
+nodes (it reads exactly one) and writes nothing but the topology file, atomically. ``--node-json``
+reads a recorded Node instead of the API server (tests, drills, clusters without RBAC for it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.errors import LaunchError
+
+# The bottom layer of the EC2 network topology for most instance types (EKS user guide, "Place
+# distributed AI/ML workloads with network topology labels"): nodes sharing it share a switch.
+DEFAULT_LABEL = "topology.k8s.aws/network-node-layer-3"
+SERVICEACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+@dataclass(frozen=True)
+class ApiServer:
+    """Where and as whom to read a Node: the in-cluster API server and the pod's ServiceAccount."""
+
+    url: str
+    token_file: Path
+    ca_file: Path | None
+
+    @classmethod
+    def in_cluster(cls, env: Mapping[str, str]) -> ApiServer:
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise LaunchError(
+                "KUBERNETES_SERVICE_HOST is not set (not in a pod); fix: pass --node-json or --api-server"
+            )
+        host = f"[{host}]" if ":" in host else host
+        return cls(f"https://{host}:{port}", SERVICEACCOUNT / "token", SERVICEACCOUNT / "ca.crt")
+
+    def get_node(self, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        url = f"{self.url.rstrip('/')}/api/v1/nodes/{urllib.parse.quote(name, safe='')}"
+        try:
+            token = self.token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise LaunchError(
+                f"{self.token_file}: cannot read the ServiceAccount token ({exc.strerror}); fix: keep "
+                "automountServiceAccountToken on for the trainer pod"
+            ) from exc
+        request = urllib.request.Request(
+            url, headers={"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        )
+        context = ssl.create_default_context(cafile=str(self.ca_file)) if url.startswith("https:") else None
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            fix = {
+                401: "the ServiceAccount token was rejected; check the pod's serviceAccountName",
+                403: "bind the pod's ServiceAccount to a ClusterRole with get on nodes (k8s/common/rbac.yaml)",
+                404: "NODE_NAME must come from the downward API fieldRef spec.nodeName",
+            }.get(exc.code, "check the API server")
+            raise LaunchError(f"GET {url}: HTTP {exc.code} {exc.reason}; fix: {fix}") from exc
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise LaunchError(f"GET {url}: {reason}; fix: check the pod can reach the API server") from exc
+
+
+def read_node_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"{path}: not a readable Node JSON ({exc}); fix: `kubectl get node NAME -o json`") from exc
+
+
+def domain_of(node: Mapping[str, Any], labels: Sequence[str]) -> tuple[str, str]:
+    """(label, value) of the first of ``labels`` the node carries; LaunchError if it has none."""
+    meta = node.get("metadata", {})
+    have = meta.get("labels") or {}
+    for label in labels:
+        value = have.get(label, "")
+        if value:
+            return label, value
+    name = meta.get("name", "?")
+    raise LaunchError(
+        f"node {name} has no label {' or '.join(labels)}, so its failure domain is unknown; fix: label "
+        f"the node group (kubectl label node {name} {labels[0]}=<domain>) or set FAILURE_DOMAIN_LABEL "
+        "to a label its nodes carry (topology.kubernetes.io/zone, kubernetes.io/hostname)"
+    )
+
+
+def write_topology(path: Path, node: str, domain: str) -> None:
+    """``<node> <domain>``, replacing the file in one rename (the launcher never reads half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"# written by pretrain node-domain from node {node}'s labels\n{node} {domain}\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def labels_from(values: Sequence[str] | None, env: Mapping[str, str]) -> list[str]:
+    """``--label`` values, else ``FAILURE_DOMAIN_LABEL`` (comma-separated, first present wins), else EKS's."""
+    raw = list(values or []) or (env.get("FAILURE_DOMAIN_LABEL") or DEFAULT_LABEL).split(",")
+    return [label.strip() for label in raw if label.strip()]
+
+
+def node_domain(
+    node_name: str, labels: Sequence[str], output: Path, *, node_json: Path | None = None, api: ApiServer | None = None
+) -> tuple[str, str]:
+    """Read the node (recorded JSON, else the API server), write the topology file; (label, domain)."""
+    if not node_name:
+        raise LaunchError("NODE_NAME is not set; fix: map it from the downward API fieldRef spec.nodeName")
+    if node_json is not None:
+        node = read_node_json(node_json)
+    else:
+        node = (api or ApiServer.in_cluster(os.environ)).get_node(node_name)
+    recorded = node.get("metadata", {}).get("name")
+    if recorded != node_name:
+        raise LaunchError(f"node record names {recorded!r}, not {node_name!r}; fix: record the pod's own node")
+    label, domain = domain_of(node, labels)
+    write_topology(output, node_name, domain)
+    return label, domain
