@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class _SlotWrite:
     error: str | None = None
     full: bool = False  # the tmpfs ran out of space
     crash: BaseException | None = None  # a programming error: raised on the training thread
-    snapshot_done: threading.Event = field(default_factory=threading.Event)
     done: threading.Event | None = None
 
 
@@ -122,6 +121,8 @@ class MemoryTier:
         """Serialise this rank's state into the free slot on the tier-0 writer thread; returns
         the seconds training was blocked (staging the non-tensor values)."""
         assert self._inflight is None, "one tier-0 save in flight at most"
+        if not self.enabled:  # turned off while the manager waited for the previous write
+            return 0.0
         t0 = time.perf_counter()
         views = self.store.views()
         if self._sequence is None:
@@ -138,13 +139,15 @@ class MemoryTier:
         return job.blocked
 
     def before_optimizer_step(self) -> float:
-        """The optimizer is about to change the tensors being serialised: wait for the payload
-        to be in the slot (its hashing and seal go on in the background). Seconds waited."""
+        """The optimizer is about to change the tensors being serialised: wait until the slot is
+        sealed. Waiting for the seal, not only for the payload, is what bounds the loss to one
+        step: once step s+1 is reported done, step s is loadable (the digests of a slot take a
+        fraction of the forward and backward they overlap). Seconds waited."""
         job = self._inflight
-        if job is None or job.snapshot_done.is_set():
+        if job is None or job.done is None or job.done.is_set():
             return 0.0
         t0 = time.perf_counter()
-        job.snapshot_done.wait()
+        job.done.wait()
         waited = time.perf_counter() - t0
         job.blocked += waited
         return waited
@@ -192,13 +195,9 @@ class MemoryTier:
             job.done.wait(timeout=60)
 
     def _write(self, job: _SlotWrite, staged: dict[str, Any], manifest: Manifest, fresh_inode: bool) -> None:
-        """On the writer thread: payload into the slot, then (the tensors are free to change)
-        the chunk digests of the file and the seal."""
+        """On the writer thread: payload into the slot, the chunk digests of the file, the seal."""
         try:
-            try:
-                job.nbytes = self.store.write_payload(job.slot, lambda fh: save_state(staged, fh), fresh_inode)
-            finally:
-                job.snapshot_done.set()  # never leave the trainer waiting, even on failure
+            job.nbytes = self.store.write_payload(job.slot, lambda fh: save_state(staged, fh), fresh_inode)
             digest = self.store.digest(job.slot, self.hashing)
             self.store.seal(job.slot, manifest, digest, job.sequence)
         except OSError as exc:
