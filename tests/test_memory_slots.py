@@ -18,6 +18,7 @@ from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import load_verified_state
 from pretrain.config import load_config
 from tests.helpers import TINY, flip_byte
+from tiering.cli import main as cli_main
 from tiering.collective import SingleProcess
 from tiering.digest import HashSpec
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
@@ -241,3 +242,18 @@ def test_a_full_tmpfs_fails_the_write_with_enospc_and_leaves_no_payload(small_tm
         store.write_payload(0, lambda fh: torch.save({"w": torch.zeros(1 << 20)}, fh), fresh_inode=False)
     assert err.value.errno == errno.ENOSPC
     assert not store.state_path(0).exists() and store.view(0) == U(0)
+
+
+def test_tiering_ls_and_verify_read_tier0_slots(memory_tier: MemoryTier, capsys: pytest.CaptureFixture[str]) -> None:
+    store = memory_tier.store
+    _write_sealed(store, 0, 5, 1)
+    _write_sealed(store, 1, 6, 2)
+    flip_byte(store.state_path(0))
+    assert cli_main(["ls", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
+    assert [r[:5] for r in rows] == [["0", "0", "sealed", "5", "1"], ["0", "1", "sealed", "6", "2"]]
+    assert "NO:" in out.splitlines()[2] and out.splitlines()[3].endswith("yes")
+    assert cli_main(["verify", str(store.slot_dir(1))]) == 0
+    assert cli_main(["verify", str(store.slot_dir(0))]) == 1
+    assert "does not match manifest" in capsys.readouterr().out
