@@ -38,7 +38,13 @@ from tiering.slot_store import SlotStore
 pytestmark = pytest.mark.slow
 
 STEPS = 24
-COMMON = {"train.steps": STEPS, "checkpoint.local.interval": 10, "checkpoint.reshardable.interval": 12}
+# One LR schedule whatever train.steps a phase of a test stops at (as in one long run).
+COMMON = {
+    "train.steps": STEPS,
+    "schedule.decay_steps": STEPS,
+    "checkpoint.local.interval": 10,
+    "checkpoint.reshardable.interval": 12,
+}
 
 
 @pytest.fixture
@@ -195,3 +201,23 @@ def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_in_one_line(
     assert lines, out[-3000:]
     assert "2 slots x (own" in lines[0] and "--shm-size" in lines[0] and "emptyDir" in lines[0]
     assert not (job / "runs" / "t" / "metrics.jsonl").exists(), "no step may run"
+
+
+def test_an_in_process_restart_restores_the_newest_step_from_tier0(
+    tmp_path: Path, corpus: Path, baseline: Path, shm_dir: Path
+) -> None:
+    """Tier 0 is the in-process restart's host copy: the step before the exception, no disk read."""
+    over = {
+        **COMMON,
+        **_memory(shm_dir),
+        "fault_tolerance.inprocess.enabled": "true",
+        "fault_tolerance.inject.raise_rank": 1,
+        "fault_tolerance.inject.raise_at_step": 17,
+    }
+    torchrun(tmp_path, 2, overrides_for(tmp_path, corpus, **over))
+    ev = events(tmp_path / "runs" / "t")
+    starts = [e for e in ev if e["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["pids"] == starts[1]["pids"], "the same processes must go on"
+    [restore] = _restores(tmp_path)
+    assert (restore["step"], restore["tier"]) == (16, "memory"), restore  # tier 1 holds step 10 only
+    _assert_bit_exact(tmp_path, baseline, 17)

@@ -33,7 +33,8 @@ class SaveReport:
         self.tiers.committed(saved.step)
         self.metrics.saved(saved.tier, saved.seconds)
         fields = ("tier", "step", "seconds", "blocked_seconds", "bytes", "replication_seconds", "under_replicated")
-        self.runlog.event("save", **{k: getattr(saved, k) for k in fields})
+        # Tier 0 saves every step or so: its event is not fsynced (the next one supersedes it).
+        self.runlog.event("save", durable=saved.tier != "memory", **{k: getattr(saved, k) for k in fields})
         self.records.progress(current_step, **{f"last_saved_{saved.tier}": saved.step})
         if self.rank == 0 and saved.tier != "memory":  # tier 0 saves every step or so: its log is the event
             extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
