@@ -16,7 +16,8 @@ import torch
 
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import load_verified_state
-from pretrain.config import load_config
+from pretrain.config import load_config, validate
+from pretrain.errors import ConfigError
 from tests.helpers import TINY, flip_byte
 from tiering.cli import main as cli_main
 from tiering.collective import SingleProcess
@@ -257,3 +258,14 @@ def test_tiering_ls_and_verify_read_tier0_slots(memory_tier: MemoryTier, capsys:
     assert cli_main(["verify", str(store.slot_dir(1))]) == 0
     assert cli_main(["verify", str(store.slot_dir(0))]) == 1
     assert "does not match manifest" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [("slots", "1", "checkpoint.memory.slots"), ("interval", "0", "checkpoint.memory.interval")],
+)
+def test_bad_memory_tier_settings_are_refused_in_one_line(key: str, value: str, says: str) -> None:
+    cfg = load_config(TINY, [f"checkpoint.memory.{key}={value}"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1, cuda=False)
+    assert says in str(err.value) and "fix:" in str(err.value) and "\n" not in str(err.value)
