@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 # install their own torch first; the project itself only requires torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv sysdeps demo test test-fast lint format bench clean gpu-check gpu-wheels
+.PHONY: venv sysdeps demo test test-fast lint format bench bench-tier0 clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ format: venv
 # writes bench/results/<date>.json and .png. Takes several minutes.
 bench: venv sysdeps
 	scripts/bench.sh
+
+# Tier 0 against raw tmpfs reads/writes of the same bytes (docs/memory-tier.md); a minute or two.
+bench-tier0: venv
+	$(BIN)/python -m bench.memory_tier_numbers --sizes-mb 300 --repeats 5 > bench/results/tier0-$$(date -u +%F).json
 
 # The prepared single-GPU check (tests/gpu/, one JSON report): on the GPU machine, with wheels/
 # carried from `make gpu-wheels`; `make gpu-check GPU_CHECK_ARGS=--cpu` is the CPU dry run that

@@ -340,6 +340,24 @@ class IntegrityConfig:
 
 
 @dataclass
+class MemoryTierConfig:
+    """Tier 0 (YAML key ``checkpoint.memory``): each rank's newest state in a memory-backed file
+    (tmpfs), written every ``interval`` steps into one of ``slots`` alternating slots, so a rank
+    killed at any step loses at most ``interval`` steps and restores without reading a disk.
+    It survives the rank process and an ft_launcher restart, not the node (docs/memory-tier.md)."""
+
+    enabled: bool = False
+    interval: int = 1
+    dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
+    slots: int = 2  # the newest sealed slot is never the one being written
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, interval=self.interval)
+        if self.slots < 2:
+            fail("slots", f"must be >= 2, got {self.slots}", "use 2 (a slot being written is not loadable)")
+
+
+@dataclass
 class CheckpointConfig:
     local: LocalTierConfig = field(default_factory=LocalTierConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
@@ -347,6 +365,7 @@ class CheckpointConfig:
     s3: S3TierConfig = field(default_factory=S3TierConfig)
     async_: AsyncSaveConfig = field(default_factory=AsyncSaveConfig)  # YAML: async
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)  # tier 0
     # A save that fails (writer died, disk full, ...): log it and train on, or stop the job.
     on_save_error: Literal["continue", "stop"] = "continue"
     load: bool = True
@@ -361,6 +380,7 @@ class CheckpointConfig:
         self.s3.check(fail.within("s3"))
         self.async_.check(fail.within("async"))
         self.integrity.check(fail.within("integrity"))
+        self.memory.check(fail.within("memory"))
         if self.s3.uri is not None and not self.reshardable.enabled:
             fail(
                 "s3.uri",

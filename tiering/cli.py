@@ -2,7 +2,9 @@
 
 * ``tiering ls DIR``: steps of a run directory (``<tier root>/<run id>``) or of every run under a
   tier root: state, size, age, the container image it was written from and whether it verifies.
-* ``tiering verify STEP_DIR``: exit 0 if the step verifies, 1 (with the reason) if not.
+  A tier-0 root (``checkpoint.memory.dir``, or one run in it) lists every rank's slots instead.
+* ``tiering verify STEP_DIR``: exit 0 if the step verifies, 1 (with the reason) if not (a tier-0
+  slot directory is a step directory too).
 * ``tiering upload URI --run-id ID --staging-dir DIR``: promote committed staging steps to the
   object store (``--once`` or ``--watch``).
 * ``tiering restore URI --run-id ID --to DIR``: download the newest verified step.
@@ -29,6 +31,7 @@ from tiering.layout import RunLayout, parse_tmp_name
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier, StepStatus
 from tiering.remote import RemoteTier, default_owner
+from tiering.slot_store import SlotStore, is_slot_dir, parse_rank_dir
 from tiering.uploader import Backoff, Uploader, UploaderMetrics
 from tiering.verify import verify_step
 
@@ -115,10 +118,75 @@ def _ls_node_roots(roots: list[Path], factor: int, as_json: bool) -> int:
     return 0
 
 
+def _memory_runs(path: Path) -> list[Path]:
+    """Tier-0 run directories at ``path`` (``<root>/<run>/rank-NNNNN/slot-K``): itself or its children."""
+
+    def is_run(p: Path) -> bool:
+        return p.is_dir() and any(parse_rank_dir(r.name) is not None for r in p.iterdir() if r.is_dir())
+
+    if is_run(path):
+        return [path]
+    return sorted(p for p in path.iterdir() if is_run(p)) if path.is_dir() else []
+
+
+def _slot_rows(run: Path, verify: bool) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for rank_dir in sorted(p for p in run.iterdir() if parse_rank_dir(p.name) is not None):
+        rank = parse_rank_dir(rank_dir.name)
+        assert rank is not None
+        slots = sorted(p for p in rank_dir.iterdir() if is_slot_dir(p))
+        store = SlotStore(run.parent, run.name, rank, len(slots))
+        for slot_dir in slots:
+            index = int(slot_dir.name.split("-")[1])
+            view = store.view(index)
+            payload = store.state_path(index)
+            row: dict[str, object] = {"rank": rank, "slot": index, "state": view.state.value, "step": view.step}
+            row.update(sequence=view.sequence, bytes=payload.stat().st_size if payload.is_file() else 0)
+            row["age_s"] = round(time.time() - payload.stat().st_mtime, 1) if payload.is_file() else None
+            row["verified"], row["reason"] = None, None
+            if verify and view.step is not None:
+                try:
+                    verify_step(slot_dir, expect_run_id=run.name)
+                    row["verified"] = True
+                except (VerificationError, OSError) as exc:
+                    row["verified"], row["reason"] = False, str(exc)
+            rows.append(row)
+        quarantined = rank_dir / "quarantine"
+        for bad in sorted(quarantined.iterdir()) if quarantined.is_dir() else []:
+            rows.append({"rank": rank, "slot": f"quarantine/{bad.name}", "state": "quarantined"})
+    return rows
+
+
+def _ls_memory(runs: list[Path], verify: bool, as_json: bool) -> int:
+    """Tier 0: every rank's slots (sealed or not, step, sequence, size, age, verification)."""
+    report = [{"run": str(run), "slots": _slot_rows(run, verify)} for run in runs]
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return 0
+    for entry in report:
+        print(f"tier 0 (memory) run {entry['run']}")
+        print(f"  {'RANK':>5}  {'SLOT':<6}  {'STATE':<11}  {'STEP':>8}  {'SEQ':>6}  {'SIZE':>10}  {'AGE':>6}  VERIFIED")
+        for r in entry["slots"]:
+            if r["state"] == "quarantined":
+                print(f"  {r['rank']:>5}  {r['slot']}")
+                continue
+            verified = "-" if r["verified"] is None else ("yes" if r["verified"] else f"NO: {r['reason']}")
+            age = _human_age(float(r["age_s"])) if r["age_s"] is not None else "-"
+            step = "-" if r["step"] is None else r["step"]
+            seq = "-" if r["sequence"] is None else r["sequence"]
+            size = _human_bytes(int(r["bytes"]))
+            where = f"{r['rank']:>5}  {r['slot']:<6}  {r['state']:<11}"
+            print(f"  {where}  {step:>8}  {seq:>6}  {size:>10}  {age:>6}  {verified}")
+    return 0
+
+
 def _ls(args: argparse.Namespace) -> int:
     roots = [Path(d) for d in args.dir]
     if all(_is_node_root(r) for r in roots):
         return _ls_node_roots(roots, args.factor, args.json)
+    memory = _memory_runs(roots[0])
+    if memory:
+        return _ls_memory(memory, not args.no_verify, args.json)
     root = roots[0]
     runs = _run_dirs(root)
     if not runs:

@@ -225,7 +225,7 @@ class BackgroundWrite:
             self._report_fd = None
 
 
-class _WriterThread:
+class WriterThread:
     """One long-lived daemon thread that runs thread-mode writes in order: starting a thread per
     save cost the training thread 1-4 ms (``Thread.start`` waits for the new thread to run, which
     waits for the GIL), a fifth of the whole blocked time of a 300 MB save."""
@@ -253,7 +253,12 @@ class _WriterThread:
                 done.set()
 
 
-_WRITER = _WriterThread()
+_WRITER = WriterThread()
+
+
+def stage_on_training_thread(payload: Any) -> Any:
+    """Public name of the staging every background writer does (tier 0 writes what it returns)."""
+    return _stage_on_training_thread(payload)
 
 
 def _stage_on_training_thread(payload: Any) -> Any:

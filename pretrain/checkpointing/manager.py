@@ -50,7 +50,7 @@ class CheckpointManager:
     # -- start -----------------------------------------------------------------------------------
     def restore(self) -> RestoreResult | None:
         """Collective: load the newest verified checkpoint into the state; None if there is none."""
-        self.tiers.prepare()
+        self.tiers.prepare(self.state)  # with the state: tier 0 checks its tmpfs can hold it
         restored = self.tiers.restore(self.state) if self.cfg.checkpoint.load else None
         runlog = self.report.runlog
         if restored is None:

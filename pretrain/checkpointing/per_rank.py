@@ -88,7 +88,8 @@ class PerRankCheckpoints:
         self._buffers = SnapshotBuffers()
         self._publishing: _PublishInFlight | None = None
         ipc = cfg.fault_tolerance.inprocess
-        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy  # for in-process restarts
+        # For in-process restarts; tier 0 (checkpoint.memory) is that host copy when enabled.
+        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.enabled
         rep = cfg.checkpoint.replication
         self.node = node_name(rep.node)
         launcher = (os.environ.get("GROUP_RANK", "0"), socket.gethostname())
@@ -377,14 +378,7 @@ class PerRankCheckpoints:
         )
 
     def _payload(self, state: TrainingState) -> dict[str, Any]:
-        cursor = state.sampler.cursor(state.consumed_samples)
-        return {
-            "format": FORMAT,
-            "model": state.model.state_dict(),
-            "optimizer": state.optimizer.local_state_dict(),
-            "trainer": trainer_state(state),
-            "rank_state": rank_state(self.rank, state.topology, cursor),
-        }
+        return rank_payload(state, self.rank)
 
     def _maybe_die_while_receiving(self, owner: int, step: int) -> None:
         maybe_die_while_receiving(self.cfg, self.rank, owner, step, self._record_event)
@@ -412,11 +406,7 @@ class PerRankCheckpoints:
     def load(self, restore: PeerRestore, state: TrainingState) -> None:
         if self.phases is not None:
             self.phases.enter("load")
-        payload = load_verified_state(restore.path / STATE_FILE)
-        apply_trainer_state(state, payload["trainer"], restore.path / STATE_FILE)
-        state.model.load_state_dict(payload["model"], strict=True)
-        state.optimizer.load_local_state_dict(payload["optimizer"])
-        restore_rng(payload["rank_state"]["rng"])
+        apply_payload(state, load_verified_state(restore.path / STATE_FILE), restore.path / STATE_FILE)
 
     def host_copy_step(self) -> int | None:
         """Step of this rank's host-memory copy, if it is still the committed step on disk (a
@@ -429,14 +419,18 @@ class PerRankCheckpoints:
     def load_host_copy(self, state: TrainingState) -> None:
         step, cached = _HOST_COPIES[(self.run_id, self.rank)]
         # A copy: optimizers keep references to loaded tensors and update them in place.
-        payload = copy.deepcopy(cached)
-        apply_trainer_state(state, payload["trainer"], Path(f"<host-memory copy of step {step}>"))
-        state.model.load_state_dict(payload["model"], strict=True)
-        state.optimizer.load_local_state_dict(payload["optimizer"])
-        restore_rng(payload["rank_state"]["rng"])
+        apply_payload(state, copy.deepcopy(cached), Path(f"<host-memory copy of step {step}>"))
 
     def step_bytes(self, step: int) -> int:
         return dir_size(self.store.step_path(step))
+
+
+def apply_payload(state: TrainingState, payload: dict[str, Any], where: Path) -> None:
+    """Load a per-rank payload (tier 0 or tiers 1-2: the same format) into the training state."""
+    apply_trainer_state(state, payload["trainer"], where)
+    state.model.load_state_dict(payload["model"], strict=True)
+    state.optimizer.load_local_state_dict(payload["optimizer"])
+    restore_rng(payload["rank_state"]["rng"])
 
 
 def load_verified_state(path: Path) -> dict[str, Any]:
@@ -444,6 +438,18 @@ def load_verified_state(path: Path) -> dict[str, Any]:
     disk): mapped, not read again (``mmap=True``), so the load costs no second pass over the bytes
     and no second copy in memory; tensors are paged in from the verified pages as they are used."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def rank_payload(state: TrainingState, rank: int) -> dict[str, Any]:
+    """What a rank saves of itself (tiers 0-2): references to the live tensors, not copies."""
+    cursor = state.sampler.cursor(state.consumed_samples)
+    return {
+        "format": FORMAT,
+        "model": state.model.state_dict(),
+        "optimizer": state.optimizer.local_state_dict(),
+        "trainer": trainer_state(state),
+        "rank_state": rank_state(rank, state.topology, cursor),
+    }
 
 
 def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]]]) -> None:

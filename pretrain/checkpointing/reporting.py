@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pretrain.checkpointing.memory_tier import TierDisabled
 from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tier import TierSet
 from pretrain.metrics import TrainingMetrics
@@ -47,9 +48,10 @@ class SaveReport:
         self.tiers.committed(saved.step)
         self.metrics.saved(saved.tier, saved.seconds)
         fields = ("tier", "step", "seconds", "blocked_seconds", "bytes", "replication_seconds", "under_replicated")
-        self.runlog.event("save", **{k: getattr(saved, k) for k in fields})
+        # Tier 0 saves every step or so: its event is not fsynced (the next one supersedes it).
+        self.runlog.event("save", durable=saved.tier != "memory", **{k: getattr(saved, k) for k in fields})
         self.records.progress(current_step, **{f"last_saved_{saved.tier}": saved.step})
-        if self.rank == 0:
+        if self.rank == 0 and saved.tier != "memory":  # tier 0 saves every step or so: its log is the event
             extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
             blocked = f" (training blocked {saved.blocked_seconds:.3f}s)" if saved.blocked_seconds is not None else ""
             log.info(
@@ -64,8 +66,15 @@ class SaveReport:
 
     def failed(self, tier: str, step: int, exc: Exception) -> None:
         """The step is not published in this tier; older steps are intact. Training goes on (the
-        next interval tries again) unless checkpoint.on_save_error is stop."""
+        next interval tries again) unless checkpoint.on_save_error is stop. Tier 0 turning itself
+        off (a full tmpfs) is one warning and a metric, and never stops the job."""
         reason = failure_reason(exc)
+        if isinstance(exc, TierDisabled):
+            if self.rank == 0:
+                log.warning("%s", exc)
+            self.runlog.event("tier_disabled", tier=tier, step=step, error=str(exc), reason=reason)
+            self.metrics.save_failed(tier, reason)
+            return
         log.error("checkpoint of step %d failed: %s", step, exc)
         self.runlog.event("save_failed", tier=tier, step=step, error=str(exc), reason=reason)
         self.metrics.save_failed(tier, reason)

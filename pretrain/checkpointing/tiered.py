@@ -1,4 +1,5 @@
-"""When each tier saves, and the recovery order: own local copy -> peer replica -> reshardable tier."""
+"""When each tier saves, and the recovery order: own tier 0 (memory) -> own local copy -> peer
+replica -> reshardable tier -> S3; the newest step every rank can obtain wins."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, TrainingState
@@ -46,6 +48,8 @@ class TieredCheckpointer:
         self.coll = coll
         self.local: PerRankCheckpoints | None = None
         self.reshardable: ReshardableCheckpoints | None = None
+        self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
+        self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
         # The lease first: a job that may not write this run fails before anything else starts.
         self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
@@ -96,6 +100,8 @@ class TieredCheckpointer:
         """Collective: move ``step`` out of every tier (own copies, replicas held, the reshardable
         tier) and record it as suspect, so that no tier, S3 included, restores it again."""
         moved: list[str] = []
+        if self.memory is not None:
+            self.memory.invalidate_step(step)
         if self.local is not None:
             self.local.finish_publishing()  # its retention must not race the moves below
             stores = self.local.stores()
@@ -113,7 +119,10 @@ class TieredCheckpointer:
         self._suspect_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self._suspect_path, json.dumps(sorted(steps)).encode())
 
-    def prepare(self) -> None:
+    def prepare(self, state: TrainingState | None = None) -> None:
+        """Clean what earlier attempts left; with ``state``, refuse a tmpfs too small for tier 0."""
+        if self.memory is not None and state is not None:
+            self.memory.check_capacity(state)
         for tier in (self.local, self.reshardable):
             if tier is not None:
                 tier.prepare()
@@ -132,13 +141,14 @@ class TieredCheckpointer:
         return out
 
     def background_tiers(self) -> list[CheckpointTier]:
-        """The tiers the trainer saves to, in order (tier 1, then promotion staging); both can save
-        in the background."""
-        return [t for t in (self.local, self.reshardable) if t is not None]
+        """The tiers the trainer saves to, in order (tier 0, tier 1, then promotion staging); all
+        can save in the background."""
+        return [t for t in (self.memory, self.local, self.reshardable) if t is not None]
 
     def before_optimizer_step(self) -> float:
-        """Seconds waited for a background snapshot of the weights about to change."""
-        return self.local.before_optimizer_step() if self.local is not None else 0.0
+        """Seconds waited for background snapshots of the weights about to change."""
+        waited = self.memory.before_optimizer_step() if self.memory is not None else 0.0
+        return waited + (self.local.before_optimizer_step() if self.local is not None else 0.0)
 
     def in_flight_count(self) -> int:
         return sum(t.in_flight is not None for t in self.background_tiers())
@@ -153,7 +163,10 @@ class TieredCheckpointer:
         """Collective. Newest verified step wins (at equal steps the faster tier); steps newer than
         it in tiers 1-2 and staging are then superseded (see :meth:`_supersede_newer`)."""
         self._unusable: list[str] = []
+        self._memory_rejected = []
         result = self._restore(state)
+        if result is not None and result.tier != "memory" and self._memory_rejected:
+            result.rejected = self._memory_rejected + result.rejected
         if result is None and not self.cfg.checkpoint.allow_fresh_start:
             self._refuse_fresh_start()  # before superseding: it would quarantine what it names
         self._supersede_newer(result.step if result is not None else 0)
@@ -192,6 +205,9 @@ class TieredCheckpointer:
         verify, or some rank's part is gone). Published steps are immutable, so they would block the
         new timeline from publishing those step numbers: move them to quarantine, with the reason."""
         reason = f"superseded: attempt {self.attempt} resumed from step {step}"
+        if self.memory is not None:
+            for slot in self.memory.invalidate_newer(step):
+                log.warning("rank %d: tier-0 slot %d %s", self.coll.rank, slot, reason)
         stores = []
         if self.local is not None:
             stores = self.local.stores()
@@ -204,6 +220,9 @@ class TieredCheckpointer:
 
     def _restore(self, state: TrainingState) -> RestoreResult | None:
         t0 = time.perf_counter()
+        memory = self._restore_from_memory(state, t0)
+        if memory is not None:
+            return memory
         host = self._restore_from_host(state, t0)
         if host is not None:
             return host
@@ -240,6 +259,46 @@ class TieredCheckpointer:
         if peer is not None:  # the reshardable tier had nothing newer that verified
             return self._load_peer(peer, plan, state, t0, notes, rejected)
         return None
+
+    def _newest_on_disk(self) -> int:
+        """Collective: the newest committed, unsuspected step in any rank's tier 1 or in the
+        reshardable tier (-1 for none): tier 0 is used only when it holds that step or a newer one."""
+        suspects = self.suspect_steps()
+        newest = [s for s in self.local.store.committed_steps() if s not in suspects][:1] if self.local else []
+        if self.reshardable is not None:
+            newest.append(self.reshardable.newest_committed() or -1)
+        return max(self.coll.all_gather(max(newest, default=-1)))
+
+    def _restore_from_memory(self, state: TrainingState, t0: float) -> RestoreResult | None:
+        """Collective: the newest step every rank holds in a sealed, verified tier-0 slot, if no
+        other tier has a newer one; loaded by mapping the verified file (no disk read)."""
+        if self.memory is None:
+            return None
+        floor = self._newest_on_disk()
+        found, self._memory_rejected = self.memory.find_restorable(floor, self.suspect_steps())
+        if found is None:
+            return None
+        step, slot = found
+        verify_s = time.perf_counter() - t0
+        if self.phases is not None:
+            self.phases.enter("load")
+        path = self.memory.load(slot, state)
+        seconds = round(time.perf_counter() - t0, 4)
+        row = {"rank": self.coll.rank, "tier": "memory", "source": str(path), "step": step, "seconds": seconds}
+        per_rank = self.coll.all_gather(row)
+        self.coll.barrier()
+        note = f"step {step} restored from tier 0 (memory) on every rank; tier 1's newest was {floor}"
+        return RestoreResult(
+            "memory",
+            step,
+            time.perf_counter() - t0,
+            verify_s,
+            True,
+            self._memory_rejected,
+            path.parent,
+            per_rank,
+            [note],
+        )
 
     def _restore_from_host(self, state: TrainingState, t0: float) -> RestoreResult | None:
         """Collective: after an in-process restart, every rank still holds the newest committed

@@ -3,13 +3,15 @@
 Two ranks train the tiny GPT under ``ft_launcher`` on real text (the Python standard library's
 sources, with a BPE tokenizer trained on them at demo time: :mod:`pretrain.commands.demo_data`),
 evaluating the validation loss every 40 steps; rank 1 is SIGKILLed once (first attempt only) after
-a checkpoint; the launcher restarts the group, which restores the newest verified step and
+a checkpoint; the launcher restarts the group, which restores the newest verified step (tier 0,
+the state of the last step or the one before it in ``/dev/shm``, so 0 or 1 steps are lost) and
 finishes. Prints a recovery summary with the validation losses before and after the failure and
 the corpus's unigram entropy, and writes it to ``<workdir>/recovery-summary.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -40,6 +42,11 @@ DEMO_MB = 2.0  # of standard-library sources: a few seconds to tokenize, enough 
 VOCAB = 512
 
 
+def memory_dir(work: Path) -> Path:
+    """The demo's tier-0 root: on the machine's tmpfs, one per work directory (removed at the end)."""
+    return Path("/dev/shm") / f"resilient-pretrain-demo-{hashlib.sha256(str(work).encode()).hexdigest()[:10]}"
+
+
 def _settings(work: Path, data_prefix: Path, tokenizer: Path, overrides: list[str]) -> list[str]:
     return [
         f"run.dir={work / 'runs'}",
@@ -61,6 +68,9 @@ def _settings(work: Path, data_prefix: Path, tokenizer: Path, overrides: list[st
         "train.steps=160",
         "optimizer.lr=0.002",  # a short run on real text: learn fast enough to show in 160 steps
         "checkpoint.local.interval=10",
+        # Tier 0: every step into memory, so the kill below loses 0 or 1 steps (tier 1 alone: 6).
+        "checkpoint.memory.enabled=true",
+        f"checkpoint.memory.dir={memory_dir(work)}",
         "fault_tolerance.inject.kill_rank=1",
         "fault_tolerance.inject.kill_at_step=97",
         *overrides,
@@ -110,6 +120,14 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
+    try:
+        return _demo(work, config, overrides)
+    finally:
+        shutil.rmtree(memory_dir(work), ignore_errors=True)  # tmpfs is memory: give it back
+
+
+def _demo(work: Path, config: str | None, overrides: list[str]) -> int:
+    shutil.rmtree(memory_dir(work), ignore_errors=True)  # a previous demo's slots are not this run's
     tokenizer, data_prefix = prepare(work, DEMO_MB, VOCAB)
     entropy = unigram_entropy(data_prefix)
     settings = _settings(work, data_prefix, tokenizer, overrides)
@@ -153,6 +171,7 @@ def run_demo(config: str | None, workdir: str, overrides: list[str]) -> int:
         and report.final_step == cfg.train.steps
         and len(report.recoveries) == 1
         and report.recoveries[0].restored_step is not None
+        and (not cfg.checkpoint.memory.enabled or report.recoveries[0].lost_steps <= 1)
         and cfg.train.steps in promoted
         and bool(validation)
         and validation[max(validation)][0] < entropy
