@@ -323,7 +323,7 @@ class IntegrityConfig:
     # copies at ~10 GB/s per core; blake3 is cryptographic (~2.3 GB/s per core). The reshardable
     # tier, which is what S3 receives, always uses blake3.
     local_hash: Literal["xxh3-128", "blake3", "sha256"] = "xxh3-128"
-    chunk_mb: int = 16  # chunk size of the digests (measured: README, "Checkpoint I/O")
+    chunk_mb: int = 16  # chunk size of the digests (measured: docs/checkpoints.md, "Checkpoint I/O")
     # Threads a writer may use to hash while it writes (and a commit to hash what no writer did):
     # the bound on the CPU a save takes from the ranks. Restores verify on every core.
     hash_threads: int = 2
