@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pretrain.config import load_config
-from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for
+from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def _job_state(job: str, env: dict[str, str]) -> tuple[str, int]:
 def _max_step(metrics: Path) -> int:
     if not metrics.exists():
         return 0
-    return max((json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()), default=0)
+    return max((rec["step"] for rec in read_jsonl(metrics)), default=0)
 
 
 def test_sbatch_requeue_resumes_from_the_newest_verified_step(
