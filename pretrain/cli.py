@@ -10,9 +10,9 @@ from pathlib import Path
 
 from pretrain.checkpointing.tiering_config import run_gc, run_upload
 from pretrain.config import load_config
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, DataError
 from tiering.cli import configure_logging
-from tiering.remote import LeaseError
+from tiering.errors import LeaseError
 
 # Each verb imports what it needs when it runs: torch and Megatron take seconds to import, and
 # `pretrain status`, `plan` or a config error must not wait for them.
@@ -28,7 +28,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from pretrain.data.prepare import dataset_snapshot_id, prepare_data
-    from pretrain.errors import DataError
 
     if bool(args.input) == (args.synthetic_mb is not None):
         print("pretrain prepare-data: give --input FILES or --synthetic-mb N (one of them)", file=sys.stderr)
@@ -72,7 +71,6 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
     from pretrain.data.train_tokenizer import train_bpe_tokenizer
-    from pretrain.errors import DataError
 
     missing = [f for f in args.input if not Path(f).is_file()]
     if missing:
@@ -312,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except DataError as exc:  # recorded as a data failure by the attempt; the user needs one line
+        print(f"data error: {exc}", file=sys.stderr)
+        return 1
     except LeaseError as exc:
         print(f"lease error: {exc}", file=sys.stderr)
         return 2

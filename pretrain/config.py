@@ -391,9 +391,10 @@ class FaultInjectionConfig:
     slow_save_seconds: float = 0.0  # the extra seconds of that save
     # hang_rank hangs in native code (libc pause()) instead of a Python sleep loop.
     hang_native: bool = False
-    # The background writer of the tier-1 save at this step: "fail" (raises) or "hang" (until killed).
+    # The background writer of the tier-1 save at this step: "fail" (an I/O error: reported, training
+    # goes on), "hang" (until killed), "slow" or "bug" (a TypeError: a programming error fails the attempt).
     writer_fault_at_step: int = -1
-    writer_fault: str | None = None  # fail, hang or slow
+    writer_fault: str | None = None  # fail, hang, slow or bug
     writer_fault_rank: int = 0  # the rank whose writer is faulted
     # Raise a (user-code) RuntimeError at raise_at_step: on every rank and every attempt (a
     # deterministic bug), or only on raise_rank in the first attempt (a transient fault).
@@ -716,10 +717,11 @@ def validate(cfg: Config, world_size: int, cuda: bool) -> None:
 def fitting_node_counts(cfg: Config, nproc_per_node: int, up_to: int) -> list[int]:
     """Node counts from 1 to ``up_to`` whose world size (nodes x ``nproc_per_node``) the parallel
     layout and the global batch divide (what :func:`validate` checks per world size)."""
+    vocab = padded_vocab_size(cfg)  # outside the loop: a tokenizer problem is not a node count's
     fits = []
     for nodes in range(1, up_to + 1):
         try:
-            _check_topology(cfg, nodes * nproc_per_node, Fail(cfg.source))
+            _check_topology(cfg, nodes * nproc_per_node, Fail(cfg.source), vocab)
         except ConfigError:
             continue
         fits.append(nodes)
@@ -728,9 +730,12 @@ def fitting_node_counts(cfg: Config, nproc_per_node: int, up_to: int) -> list[in
 
 def check_world_size(cfg: Config, nnodes: int, nproc_per_node: int) -> None:
     """Before any node starts (``pretrain launch``): refuse a node count the layout cannot divide,
-    e.g. a scale-down to 5 of 6 nodes, with one line naming the node counts that work."""
+    e.g. a scale-down to 5 of 6 nodes, with one line naming the node counts that work. Only the
+    topology rules are judged here: any other problem (a missing tokenizer file, say) is raised
+    as itself, never dressed up as a node count that does not fit."""
+    vocab = padded_vocab_size(cfg)
     try:
-        _check_topology(cfg, nnodes * nproc_per_node, Fail(cfg.source))
+        _check_topology(cfg, nnodes * nproc_per_node, Fail(cfg.source), vocab)
     except ConfigError as exc:
         problem = str(exc).split("; fix:", 1)[0]
         fits = fitting_node_counts(cfg, nproc_per_node, max(8, 2 * nnodes))
@@ -741,9 +746,11 @@ def check_world_size(cfg: Config, nnodes: int, nproc_per_node: int) -> None:
         ) from exc
 
 
-def _check_topology(cfg: Config, world_size: int, fail: Fail) -> None:
-    """The model, the batch and the world size split over tp x pp x dp."""
+def _check_topology(cfg: Config, world_size: int, fail: Fail, padded_vocab: int | None = None) -> None:
+    """The model, the batch and the world size split over tp x pp x dp (``padded_vocab``: already
+    resolved by the caller; reading the tokenizer is not a topology rule)."""
     m, p, d = cfg.model, cfg.parallel, cfg.data
+    vocab = padded_vocab if padded_vocab is not None else padded_vocab_size(cfg)
     if m.num_attention_heads % p.tp:
         fail(
             "parallel.tp",
@@ -767,10 +774,10 @@ def _check_topology(cfg: Config, world_size: int, fail: Fail) -> None:
             f"world size {world_size} is not divisible by tp*pp={p.tp * p.pp}",
             "launch a multiple of tp*pp ranks or change tp/pp",
         )
-    if padded_vocab_size(cfg) % p.tp:
+    if vocab % p.tp:
         fail(
             "model.make_vocab_size_divisible_by",
-            f"padded vocab {padded_vocab_size(cfg)} is not divisible by tp={p.tp}",
+            f"padded vocab {vocab} is not divisible by tp={p.tp}",
             "use a multiple of 128 (divisible by every tp you will use)",
         )
     dp = data_parallel_size(cfg, world_size)

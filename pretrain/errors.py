@@ -1,8 +1,11 @@
 """Every exception of the rank program, in one leaf module (it imports nothing from ``pretrain``).
 
-Each message is one line: what is wrong, where (file, key, rank), and ``fix:``. The failure
-classification (``pretrain.resilience.failures``) keys on these classes, so there is exactly one
-of each: a second ``DataError`` defined elsewhere would be classified as a user error.
+Each message is one line: what is wrong, where (file, key, rank), and ``fix:``. Every error raised
+on purpose derives from :class:`PretrainError` (checkpoint errors also from ``tiering``'s
+``CheckpointError``); the two ways out of a rank that are not failures, :class:`PreemptedError` and
+:class:`JobStopped`, are ``SystemExit`` so that nothing catching ``Exception`` can swallow them. The
+failure classification (``pretrain.resilience.failures``) keys on these classes, so there is exactly
+one of each: a second ``DataError`` defined elsewhere would be classified as a user error.
 """
 
 from __future__ import annotations
@@ -12,19 +15,23 @@ from tiering.errors import CheckpointError
 STOP_EXIT_CODE = 2  # also the JobSet podFailurePolicy's "do not restart" code
 
 
-class ConfigError(ValueError):
+class PretrainError(Exception):
+    """Root of every error the rank program and its commands raise on purpose."""
+
+
+class ConfigError(PretrainError, ValueError):
     """A configuration problem; ``str(err)`` is one line: file, key, problem, fix."""
 
 
-class DataError(RuntimeError):
+class DataError(PretrainError, RuntimeError):
     """Training input is missing, unreadable or corrupt (names the file and the fix)."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(PretrainError, RuntimeError):
     """One line: what is wrong with the launch environment and how to fix it."""
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(PretrainError, FloatingPointError):
     """Loss or gradient norm became NaN/Inf at a step."""
 
     def __init__(self, step: int, what: str, value: float) -> None:
@@ -51,10 +58,10 @@ class JobStopped(SystemExit):
         self.message = message
 
 
-class IncompatibleCheckpoint(CheckpointError):
+class IncompatibleCheckpoint(PretrainError, CheckpointError):
     """The newest verified checkpoint belongs to a different model; refusing to load it."""
 
 
-class FreshStartRefused(CheckpointError):
+class FreshStartRefused(PretrainError, CheckpointError):
     """Committed steps of the run exist but none can be obtained by every rank: starting from step 0
     would silently throw the run away. One line: where the copies are, why they are unusable, the fix."""

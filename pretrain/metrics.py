@@ -1,9 +1,12 @@
 """Prometheus metrics of the rank program, served by rank 0 on ``metrics.port`` (``/metrics``).
 
-Values that must survive a restart (restarts, lost steps, steps run) are rebuilt from the
-attempt records when an attempt starts, so they stay monotonic across processes: Prometheus sees
-a counter that kept growing while the job was down, not a reset that ``increase()`` would count
-twice. Everything else describes the current attempt.
+Every series is a ``prometheus_client`` metric (Gauge, Counter, Histogram) in this object's own
+registry, labelled with the run id. Values that must survive a restart (restarts, lost steps, steps
+and tokens run) are rebuilt from the attempt records when an attempt starts, so they stay monotonic
+across processes: Prometheus sees a counter that kept growing while the job was down, not a reset
+that ``increase()`` would count twice. Everything else describes the current attempt. A series with
+no value yet (the recovery time before a recovery, the validation loss before an evaluation) is
+absent, not zero.
 """
 
 from __future__ import annotations
@@ -11,77 +14,125 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter as Tally
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
+disable_created_metrics()  # no *_created series: restarts rebuild the counters, their creation time means nothing
 
 # Save/load durations span ~10 ms (a tiny local step) to many minutes (a large model to S3).
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
-@dataclass
-class _Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS))
-    total: float = 0.0
-    n: int = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(DURATION_BUCKETS):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += value
-        self.n += 1
-
-
-class TrainingMetrics:
-    """Thread-safe state behind the exporter; the training loop updates it, scrapes read it."""
+class TrainingMetrics(Collector):
+    """The training loop and the checkpoint manager update it; a scrape reads its registry. It is a
+    collector itself, so a test or another registry can collect it directly."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
+        self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
-        self.last_success: dict[str, float] = {}
+        self._tokens_per_step = 0
+        self._history_steps = 0  # steps of earlier attempts: their tokens count once the step size is known
         self.planned_interval_steps: dict[str, int] = {}
-        self.save_seconds: dict[str, _Histogram] = {}
-        self.load_seconds: dict[str, _Histogram] = {}
-        self.save_failures: Tally[str] = Tally()
-        self.save_skips: Tally[str] = Tally()
-        self.queue_depth = 0
-        self.uncommitted = 0
-        self.restarts: Tally[str] = Tally()
-        self.lost_steps = 0
-        self.recovery_seconds: float | None = None
-        self.steps_before = 0  # steps run by earlier attempts (recomputed steps included)
-        self.steps_now = 0
-        self.tokens_per_step = 0
-        self.step = 0
         self._step_seconds_ema: float | None = None
         self._last_step_time: float | None = None
-        self.validation: tuple[int, float] | None = None  # (step, loss) of the newest evaluation
+        run, tier = ["run_id"], ["run_id", "tier"]
+        r = self.registry
+        self._last_success = Gauge(
+            "checkpoint_last_success_timestamp_seconds",
+            "Unix time of the newest committed checkpoint of each tier (this attempt)",
+            tier,
+            registry=r,
+        )
+        self._planned = Gauge(
+            "checkpoint_planned_interval_seconds",
+            "Planned seconds between checkpoints of each tier (interval in steps x measured step time)",
+            tier,
+            registry=r,
+        )
+        self._save_seconds = Histogram(
+            "checkpoint_save_duration_seconds", "Seconds to publish a checkpoint, per tier", tier,
+            buckets=DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._load_seconds = Histogram(
+            "checkpoint_load_duration_seconds", "Seconds to restore a checkpoint, per tier", tier,
+            buckets=DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._save_failures = Counter(
+            "checkpoint_save_failures",
+            "Checkpoint saves that were not published, by reason (disk_full, timeout, error)",
+            [*tier, "reason"],
+            registry=r,
+        )
+        self._save_skips = Counter(
+            "checkpoint_save_skips", "Saves skipped because one was still in flight", tier, registry=r
+        )
+        self._queue = Gauge("checkpoint_async_queue_depth", "Saves in flight in the background writer", run, registry=r)
+        self._uncommitted = Gauge(
+            "checkpoint_uncommitted_versions", "Checkpoint versions written but not yet committed", run, registry=r
+        )
+        self._restarts = Counter(
+            "training_restarts", "Attempts of this run that ended early, by kind", [*run, "kind"], registry=r
+        )
+        self._lost = Counter("training_lost_steps", "Steps recomputed after restores", run, registry=r)
+        self._recovery = Gauge(
+            "training_recovery_seconds",
+            "Last recovery: failed attempt's last sign of life to this attempt's first step",
+            run,
+            registry=r,
+        )
+        self._steps = Counter("training_steps", "Training steps run (recomputed steps included)", run, registry=r)
+        self._tokens = Counter("training_tokens", "Tokens trained on (recomputed steps included)", run, registry=r)
+        self._step = Gauge("training_step", "The step the model is at", run, registry=r)
+        self._validation_loss = Gauge("validation_loss", "Validation loss at the newest evaluation", run, registry=r)
+        self._validation_step = Gauge("validation_step", "The step of the newest evaluation", run, registry=r)
+        # Series every scrape shows from the start (zero until something happens).
+        for metric in (self._queue, self._uncommitted, self._lost, self._steps, self._tokens, self._step):
+            metric.labels(run_id)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.registry.collect()
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self._tokens_per_step
+
+    @tokens_per_step.setter
+    def tokens_per_step(self, tokens: int) -> None:
+        self._tokens.labels(self.run_id).inc(self._history_steps * (tokens - self._tokens_per_step))
+        self._tokens_per_step = tokens
 
     # -- updates from the training loop ---------------------------------------------------------
     def from_history(self, previous: list[dict[str, Any]]) -> None:
         """Counters carried over from earlier attempts' records."""
-        with self._lock:
-            for rec in previous:
-                first, last = rec.get("first_step"), rec.get("last_step")
-                if first is not None and last is not None and last >= first:
-                    self.steps_before += last - first + 1
-                self.lost_steps += rec.get("lost_steps") or 0
-                if rec.get("status") not in ("running", "succeeded"):
-                    failure = rec.get("failure") or {}
-                    kind = "preempted" if rec.get("status") == "preempted" else failure.get("classification")
-                    self.restarts[kind or "unknown"] += 1
+        for rec in previous:
+            first, last = rec.get("first_step"), rec.get("last_step")
+            if first is not None and last is not None and last >= first:
+                self._steps.labels(self.run_id).inc(last - first + 1)
+                self._history_steps += last - first + 1
+                self._tokens.labels(self.run_id).inc((last - first + 1) * self._tokens_per_step)
+            self._lost.labels(self.run_id).inc(rec.get("lost_steps") or 0)
+            if rec.get("status") not in ("running", "succeeded"):
+                failure = rec.get("failure") or {}
+                kind = "preempted" if rec.get("status") == "preempted" else failure.get("classification")
+                self._restarts.labels(self.run_id, kind or "unknown").inc()
 
     def recovered(self, lost_steps: int | None, rto: float | None) -> None:
-        with self._lock:
-            self.lost_steps += lost_steps or 0
-            if rto is not None:
-                self.recovery_seconds = rto
+        self._lost.labels(self.run_id).inc(lost_steps or 0)
+        if rto is not None:
+            self._recovery.labels(self.run_id).set(rto)
 
     def stepped(self, step: int) -> None:
         now = time.monotonic()
@@ -91,130 +142,42 @@ class TrainingMetrics:
                 ema = self._step_seconds_ema
                 self._step_seconds_ema = dt if ema is None else 0.9 * ema + 0.1 * dt
             self._last_step_time = now
-            self.step = step
-            self.steps_now += 1
+            ema = self._step_seconds_ema
+        self._step.labels(self.run_id).set(step)
+        self._steps.labels(self.run_id).inc()
+        self._tokens.labels(self.run_id).inc(self._tokens_per_step)
+        if ema is not None:
+            for tier, steps in self.planned_interval_steps.items():
+                self._planned.labels(self.run_id, tier).set(steps * ema)
 
     def validated(self, step: int, loss: float) -> None:
-        with self._lock:
-            self.validation = (step, loss)
+        self._validation_loss.labels(self.run_id).set(loss)
+        self._validation_step.labels(self.run_id).set(step)
 
     def saved(self, tier: str, seconds: float) -> None:
-        with self._lock:
-            self.last_success[tier] = time.time()
-            self.save_seconds.setdefault(tier, _Histogram()).observe(seconds)
+        self._last_success.labels(self.run_id, tier).set(time.time())
+        self._save_seconds.labels(self.run_id, tier).observe(seconds)
 
-    def save_failed(self, tier: str) -> None:
-        with self._lock:
-            self.save_failures[tier] += 1
+    def save_failed(self, tier: str, reason: str = "error") -> None:
+        self._save_failures.labels(self.run_id, tier, reason).inc()
 
     def save_skipped(self, tier: str) -> None:
-        with self._lock:
-            self.save_skips[tier] += 1
+        self._save_skips.labels(self.run_id, tier).inc()
 
     def loaded(self, tier: str, seconds: float) -> None:
-        with self._lock:
-            self.load_seconds.setdefault(tier, _Histogram()).observe(seconds)
+        self._load_seconds.labels(self.run_id, tier).observe(seconds)
 
-    # -- the collector --------------------------------------------------------------------------
-    def collect(self) -> Any:
-        labels = ["run_id"]
-        with self._lock:
-            rid = [self.run_id]
-            g = GaugeMetricFamily(
-                "checkpoint_last_success_timestamp_seconds",
-                "Unix time of the newest committed checkpoint of each tier (this attempt)",
-                labels=[*labels, "tier"],
-            )
-            for tier, ts in sorted(self.last_success.items()):
-                g.add_metric([*rid, tier], ts)
-            yield g
-            g = GaugeMetricFamily(
-                "checkpoint_planned_interval_seconds",
-                "Planned seconds between checkpoints of each tier (interval in steps x measured step time)",
-                labels=[*labels, "tier"],
-            )
-            if self._step_seconds_ema is not None:
-                for tier, steps in sorted(self.planned_interval_steps.items()):
-                    g.add_metric([*rid, tier], steps * self._step_seconds_ema)
-            yield g
-            for name, doc, hists in (
-                ("checkpoint_save_duration_seconds", "Seconds to publish a checkpoint, per tier", self.save_seconds),
-                ("checkpoint_load_duration_seconds", "Seconds to restore a checkpoint, per tier", self.load_seconds),
-            ):
-                h = HistogramMetricFamily(name, doc, labels=[*labels, "tier"])
-                for tier, hist in sorted(hists.items()):
-                    buckets = [(str(b), c) for b, c in zip(DURATION_BUCKETS, hist.counts)] + [("+Inf", hist.n)]
-                    h.add_metric([*rid, tier], buckets, hist.total)
-                yield h
-            c = CounterMetricFamily(
-                "checkpoint_save_failures", "Checkpoint saves that were not published", labels=[*labels, "tier"]
-            )
-            for tier, n in sorted(self.save_failures.items()):
-                c.add_metric([*rid, tier], n)
-            yield c
-            c = CounterMetricFamily(
-                "checkpoint_save_skips", "Saves skipped because one was still in flight", labels=[*labels, "tier"]
-            )
-            for tier, n in sorted(self.save_skips.items()):
-                c.add_metric([*rid, tier], n)
-            yield c
-            g = GaugeMetricFamily(
-                "checkpoint_async_queue_depth", "Saves in flight in the background writer", labels=labels
-            )
-            g.add_metric(rid, self.queue_depth)
-            yield g
-            g = GaugeMetricFamily(
-                "checkpoint_uncommitted_versions", "Checkpoint versions written but not yet committed", labels=labels
-            )
-            g.add_metric(rid, self.uncommitted)
-            yield g
-            c = CounterMetricFamily(
-                "training_restarts", "Attempts of this run that ended early, by kind", labels=[*labels, "kind"]
-            )
-            for kind, n in sorted(self.restarts.items()):
-                c.add_metric([*rid, kind], n)
-            yield c
-            c = CounterMetricFamily("training_lost_steps", "Steps recomputed after restores", labels=labels)
-            c.add_metric(rid, self.lost_steps)
-            yield c
-            g = GaugeMetricFamily(
-                "training_recovery_seconds",
-                "Last recovery: failed attempt's last sign of life to this attempt's first step",
-                labels=labels,
-            )
-            if self.recovery_seconds is not None:
-                g.add_metric(rid, self.recovery_seconds)
-            yield g
-            steps = self.steps_before + self.steps_now
-            c = CounterMetricFamily("training_steps", "Training steps run (recomputed steps included)", labels=labels)
-            c.add_metric(rid, steps)
-            yield c
-            c = CounterMetricFamily("training_tokens", "Tokens trained on (recomputed steps included)", labels=labels)
-            c.add_metric(rid, steps * self.tokens_per_step)
-            yield c
-            g = GaugeMetricFamily("training_step", "The step the model is at", labels=labels)
-            g.add_metric(rid, self.step)
-            yield g
-            yield from self._validation_metrics(labels, rid)
-
-    def _validation_metrics(self, labels: list[str], rid: list[str]) -> Any:
-        if self.validation is None:
-            return
-        g = GaugeMetricFamily("validation_loss", "Validation loss at the newest evaluation", labels=labels)
-        g.add_metric(rid, self.validation[1])
-        yield g
-        g = GaugeMetricFamily("validation_step", "The step of the newest evaluation", labels=labels)
-        g.add_metric(rid, self.validation[0])
-        yield g
+    def queued(self, in_flight: int) -> None:
+        """Background saves in flight (each is a version written but not yet committed)."""
+        self._queue.labels(self.run_id).set(in_flight)
+        self._uncommitted.labels(self.run_id).set(in_flight)
 
 
 class MetricsServer:
     """Serves one :class:`TrainingMetrics` over HTTP from a daemon thread."""
 
     def __init__(self, metrics: TrainingMetrics, host: str, port: int) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(metrics)
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        self.server, self.thread = start_http_server(port, addr=host, registry=metrics.registry)
         log.info("metrics on http://%s:%d/metrics", host, port)
 
     def close(self) -> None:

@@ -3,6 +3,19 @@
 On CUDA: Megatron's DistributedOptimizer (``get_megatron_optimizer``), whose checkpoint sharding
 type is chosen per checkpoint kind. On CPU: torch AdamW over Megatron DDP's ``main_grad`` buffers,
 with its state mapped to the model's ShardedTensors so that it is fully reshardable.
+
+Three gaps in Megatron's DistributedOptimizer (megatron-core 0.16.1 and core_r0.19.0) are closed
+here, around its calls, never by changing Megatron:
+
+* its dp-reshardable parameter state (tier-1 saves) is written without the ``padding`` flag its
+  own loader filters on (0.19 ``distrib_optimizer.py`` L1227-1260 against L2082; 0.16.1 L942-973
+  against L1793): saves write the flag, loads default it so that steps already written load;
+* without TE or Apex its ``load_state_dict`` gives every parameter one shared Adam ``step`` tensor
+  (0.19 L1024-1032, 0.16.1 L818-825), which torch's AdamW then bumps once per parameter: every
+  load ends by giving each parameter its own (:func:`give_each_param_its_own_step`);
+* its ``state_dict()`` asserts on an unstepped optimizer without TE or Apex (0.19 L836-840), and
+  ``sharded_state_dict`` calls it first even when loading: before a load the state is allocated
+  the way its own ``load_state_dict`` allocates it.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
+from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
@@ -32,7 +46,10 @@ class TrainOptimizer(Protocol):
         """Apply one update; return the global (pre-clip) gradient norm."""
         ...
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str) -> dict: ...
+    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str, is_loading: bool = False) -> dict:
+        """The checkpoint layout of the state; ``is_loading``: a template to load into (the
+        optimizer may allocate its state for it), as Megatron's own loader asks for it."""
+        ...
 
     def load_sharded_state_dict(self, state: dict) -> None: ...
 
@@ -94,8 +111,9 @@ class CpuAdamW:
         self.opt.step()
         return norm
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str) -> dict:
-        # The torch-optimizer layout is the same for every checkpoint kind: always reshardable.
+    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str, is_loading: bool = False) -> dict:
+        # The torch-optimizer layout is the same for every checkpoint kind: always reshardable;
+        # its state exists from construction (_init_state), so a load template needs nothing more.
         state = self.opt.state_dict()
         steps = {float(s["step"]) for s in state["state"].values()}
         if len(steps) != 1:
@@ -152,16 +170,19 @@ class MegatronDistributedOptimizer:
         _ok, grad_norm, _zeros = self.opt.step()
         return float(grad_norm) if grad_norm is not None else float("nan")
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str) -> dict:
+    def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str, is_loading: bool = False) -> dict:
         # Megatron refuses fully_reshardable for non-persistent local saves: local saves use the
         # fast DP-reshardable layout, reshardable (durable) saves the fully reshardable one.
         sharding = "fully_reshardable" if kind == "reshardable" else "dp_reshardable"
+        if is_loading:
+            self._allocate_state_for_load()
         return self.opt.sharded_state_dict(
-            model_sharded_state_dict, is_loading=False, metadata={"distrib_optim_sharding_type": sharding}
+            model_sharded_state_dict, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding}
         )
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state)
+        self._untie_steps()
 
     def _parts(self) -> list[Any]:
         """The DistributedOptimizers inside: get_megatron_optimizer returns a ChainedOptimizer
@@ -169,8 +190,9 @@ class MegatronDistributedOptimizer:
         return list(getattr(self.opt, "chained_optimizers", [self.opt]))
 
     def local_state_dict(self) -> dict:
-        # This rank's shard of the fp32 main params and Adam moments, as it lives here.
-        param_state = [part.get_parameter_state_dp_reshardable() for part in self._parts()]
+        # This rank's shard of the fp32 main params and Adam moments, as it lives here (the
+        # tensors are the optimizer's own: the writer copies them before the next step).
+        param_state = [mark_padding(part.get_parameter_state_dp_reshardable()) for part in self._parts()]
         return {"optimizer": self.opt.state_dict(), "param_state": param_state}
 
     def load_local_state_dict(self, state: dict) -> None:
@@ -180,7 +202,65 @@ class MegatronDistributedOptimizer:
             saved = len(state["param_state"])
             raise RuntimeError(f"tier-1 optimizer state has {saved} parts, this optimizer {len(parts)}")
         for part, param_state in zip(parts, state["param_state"]):
-            part.load_parameter_state_from_dp_reshardable(param_state)
+            part.load_parameter_state_from_dp_reshardable(mark_padding(param_state))
+        self._untie_steps()
+
+    def _untie_steps(self) -> None:
+        for part in self._parts():
+            give_each_param_its_own_step(part.optimizer)
+
+    def _allocate_state_for_load(self) -> None:
+        """Without TE or Apex, Megatron's ``state_dict()`` (which ``sharded_state_dict`` calls
+        first) needs every parameter's Adam ``step``: a fresh optimizer has none. Allocate the
+        state through Megatron's own ``load_state_dict`` (uninitialised shards on the current
+        device, step 0), which the load then overwrites. With TE or Apex the step lives in the
+        parameter groups and ``sharded_state_dict(is_loading=True)`` allocates by itself."""
+        if distrib_optimizer.HAVE_APEX_OR_TE:
+            return
+        for part in self._parts():
+            if len(part.optimizer.state) == 0:
+                part.load_state_dict(step_zero_state_dict(part.optimizer))
+
+
+def mark_padding(param_state: dict) -> dict:
+    """Give every entry of a dp-reshardable parameter state (``get_parameter_state_dp_reshardable``
+    layout: ``state[gbuf][dtype][bucket]`` is a list of per-parameter dicts) the ``padding`` flag
+    Megatron's loader filters on; False where missing (these entries are parameters: the getter
+    writes no padding entries). Changes the dicts in place and returns the state."""
+    for key, dtype_state in param_state.items():
+        if not isinstance(key, int):  # per_bucket_numel, per_bucket_numel_unpadded
+            continue
+        for buckets in dtype_state.values():
+            for bucket in buckets:
+                for entry in bucket:
+                    entry.setdefault("padding", False)
+    return param_state
+
+
+def give_each_param_its_own_step(optimizer: torch.optim.Optimizer) -> int:
+    """Replace every Adam ``step`` tensor shared with another parameter by a copy of its own
+    (torch's AdamW adds 1 to each parameter's step tensor: a shared one would count every
+    parameter). Returns how many were replaced."""
+    seen: set[int] = set()
+    replaced = 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if not isinstance(step, torch.Tensor):
+            continue
+        if step.data_ptr() in seen:
+            state["step"] = step.clone()
+            replaced += 1
+        else:
+            seen.add(step.data_ptr())
+    return replaced
+
+
+def step_zero_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """A DistributedOptimizer ``state_dict()`` as it would read before the first step: the inner
+    optimizer's parameter groups (without their parameter indices) at step 0."""
+    inner = optimizer.state_dict()
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in inner["param_groups"]]
+    return {"optimizer": {k: v for k, v in inner.items() if k != "state"} | {"param_groups": groups}}
 
 
 def uses_distributed_optimizer(cfg: Config) -> bool:

@@ -32,6 +32,7 @@ from pretrain.config import Config, validate
 from pretrain.errors import JobStopped, NonFiniteError
 from pretrain.evaluation import Evaluator
 from pretrain.forward import forward_step, reduce_losses
+from pretrain.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
 from pretrain.resilience.inprocess import run_inprocess
@@ -75,7 +76,9 @@ def train(cfg: Config) -> RunSummary:
     cpu_shims.install()
     phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg))
     phases.mark_signals_until_replaced()
+    phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     phases.enter("startup")
+    select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
     if cfg.fault_tolerance.inprocess.enabled:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29555")
@@ -84,8 +87,6 @@ def train(cfg: Config) -> RunSummary:
         if "MASTER_ADDR" not in os.environ:  # a plain single-process run
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29555")
-        if cuda:
-            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
         phases.enter("rendezvous")
         backend = "nccl" if cuda else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))

@@ -33,11 +33,24 @@ def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:4])
 
 
+def python_fits(python_tag: str, abi_tag: str, here: tuple[int, int] | None = None) -> bool:
+    """A wheel's Python and ABI tags against this CPython: its own ``cpNN``, pure Python
+    (``py3*``), or the stable ABI (``cpNN-abi3``: any CPython 3 from NN on)."""
+    major, minor = here or sys.version_info[:2]
+    stable_abi = "abi3" in abi_tag.split(".")
+    for tag in python_tag.split("."):
+        if tag.startswith("py3"):
+            return True
+        m = re.fullmatch(r"cp(\d)(\d+)", tag)
+        if m and int(m[1]) == major and (int(m[2]) == minor or (stable_abi and int(m[2]) <= minor)):
+            return True
+    return False
+
+
 def fits(wheel: Path) -> bool:
     """Python tag and glibc of a wheel's file name against this interpreter and machine."""
-    python_tag, _abi, platform_tag = wheel.stem.split("-")[-3:]
-    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    if not any(t in (here, "py3", "py2.py3") or t.startswith("py3") for t in python_tag.split(".")):
+    python_tag, abi_tag, platform_tag = wheel.stem.split("-")[-3:]
+    if not python_fits(python_tag, abi_tag):
         return False
     if platform_tag == "any":
         return True

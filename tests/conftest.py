@@ -1,11 +1,47 @@
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
+from tests import leftovers
+
+# Every process started from here on carries the session's id (see tests/leftovers.py).
+os.environ[leftovers.SESSION_VAR] = SESSION_ID = leftovers.new_id()
+KILLED_AFTER_TESTS: list[tuple[str, list[tuple[int, str]]]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    test_id = os.environ[leftovers.TEST_VAR] = leftovers.new_id()
+    try:
+        yield
+    finally:
+        del os.environ[leftovers.TEST_VAR]
+        left = leftovers.carrying(leftovers.TEST_VAR, test_id)
+        if left:
+            leftovers.kill_all(left)
+            KILLED_AFTER_TESTS.append((request.node.nodeid, left))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for nodeid, left in KILLED_AFTER_TESTS:
+        listing = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)
+        terminalreporter.line(f"killed processes {nodeid} left running: {listing}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A service or job the suite started and never stopped fails the run, named."""
+    left = leftovers.carrying(leftovers.SESSION_VAR, SESSION_ID)
+    if left:
+        leftovers.kill_all(left)
+        listing = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)
+        session.config.get_terminal_writer().line(f"processes the suite started were still running: {listing}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

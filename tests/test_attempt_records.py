@@ -5,6 +5,10 @@ the phase they died in; the job stops only for a failure that repeats itself."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +66,51 @@ def test_a_silent_rank_is_named_with_the_phase_it_died_in(tmp_path: Path) -> Non
     failure = _records(tmp_path)[0]["failure"]
     assert failure["ranks"] == [1] and failure["phases"] == {"1": "load"}
     assert failure["evidence"] == "ranks [1] ended without a report (killed, hung or lost) during load"
+
+
+def test_a_rank_whose_pulse_stopped_long_before_its_peers_is_named_as_hung(tmp_path: Path) -> None:
+    """SIGSTOP (or a thread holding the GIL): the stopped rank's pulse ends; its peers, blocked in a
+    collective, pulse on until the launcher's hang timeout stops every rank, none with a report."""
+    _begin(tmp_path, "a1")
+    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
+    for rec in records:
+        rec.attempt = "a1"
+        rec.enter("training")
+    now = time.time()
+    os.utime(records[1].path, (now - 8.0, now - 8.0))  # rank 1's last pulse: 8 s before rank 0's
+    os.utime(records[0].path, (now, now))
+    for rank in (0, 1):
+        PhaseRecord(tmp_path, rank).enter("startup")
+    _begin(tmp_path, "a2", restart=1)
+    failure = _records(tmp_path)[0]["failure"]
+    assert failure["ranks"] == [1] and failure["classification"] == "infrastructure", failure
+    assert failure["evidence"].startswith("ranks [1] hung: no sign of life for 8.0s"), failure["evidence"]
+
+
+def test_a_rank_a_fatal_signal_ended_is_named_with_the_signal(tmp_path: Path) -> None:
+    """A real process with the pulse on dies of SIGSEGV: the next attempt names signal 11 and where."""
+    _begin(tmp_path, "a1")
+    survivor = PhaseRecord(tmp_path, 0)
+    survivor.attempt = "a1"
+    survivor.enter("training")
+    code = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from pretrain.resilience.phases import PhaseRecord\n"
+        "rec = PhaseRecord(Path(sys.argv[1]), 1)\n"
+        "rec.attempt = 'a1'\n"
+        "rec.enter('training')\n"
+        "rec.start_pulse()\n"
+        "os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr
+    for rank in (0, 1):
+        PhaseRecord(tmp_path, rank).enter("startup")
+    _begin(tmp_path, "a2", restart=1)
+    failure = _records(tmp_path)[0]["failure"]
+    assert failure["ranks"] == [1] and failure["exit_code"] == -11, failure
+    assert failure["evidence"].startswith("rank 1 was killed by signal 11 (SIGSEGV) during training at File "), failure
 
 
 @pytest.mark.parametrize(

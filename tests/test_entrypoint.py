@@ -116,6 +116,19 @@ def test_node_count_the_layout_cannot_divide_is_refused_naming_those_that_fit(tm
     assert fits in lines[0], lines[0]
 
 
+def test_a_missing_tokenizer_file_is_named_as_itself_not_as_a_node_count(tmp_path: Path) -> None:
+    """The node-count check judges only the topology rules: a config whose tokenizer file is missing
+    (the 8B config on a login node without it) is refused naming that file, not "does not fit"."""
+    missing = tmp_path / "nowhere" / "tokenizer.json"
+    out = _launch(
+        {"HOSTNAME": "pretrain-0", "NNODES": "4", "LOCAL_NVME": str(tmp_path)},
+        *("--set", "data.tokenizer=huggingface", "--set", f"data.tokenizer_path={missing}"),
+    )
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert str(missing) in lines[0] and "does not fit" not in lines[0], lines[0]
+
+
 def test_scaled_attempts_are_recorded() -> None:
     earlier = [{"hosts": ["a", "b", "c"], "world_size": 3}, {"world_size": 3}]  # the last died unrecorded
     assert scaled_from(earlier, ["a", "b"], 2) == {

@@ -2,7 +2,7 @@
 points (training with an in-process kill and restart, the reshard load at 2 gloo ranks, the
 snapshot benchmark, the version and ft_launcher-flag checks) at CPU size in make test (the main
 pytest run collects tests/gpu/ too, in its default GPU mode: without CUDA every test there skips);
-the offline wheel installer picks wheels by interpreter and glibc and installs them into a target."""
+the offline wheel installer picks wheels by interpreter, ABI and glibc and installs them into a target."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from install_carried_wheels import fits, unpack  # noqa: E402  (a script, not a package)
+from install_carried_wheels import fits, python_fits, unpack  # noqa: E402  (a script, not a package)
 
 GPU_TESTS = {
     "test_versions_that_ran",
@@ -24,6 +24,9 @@ GPU_TESTS = {
     "test_train_kill_restart_resumes_exactly",
     "test_reshardable_checkpoint_loads_on_cpu_at_tp2",
     "test_background_save_blocks_less_than_a_sync_save",
+    "test_each_parameter_keeps_its_own_adam_step_after_a_restore",
+    "test_reshardable_restore_of_the_optimizer_resumes_exactly",
+    "test_snapshot_copy_runs_on_the_tensors_device",
 }
 
 
@@ -37,7 +40,7 @@ def _gpu_check(tmp: Path, *args: str, timeout: int) -> tuple[subprocess.Complete
 
 
 def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
-    proc, report = _gpu_check(tmp_path, "--cpu", timeout=600)
+    proc, report = _gpu_check(tmp_path, "--cpu", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["mode"] == "cpu" and set(report["tests"]) == GPU_TESTS
     assert {t["outcome"] for t in report["tests"].values()} == {"passed"}, report["tests"]
@@ -45,10 +48,15 @@ def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
     train = report["tests"]["test_train_kill_restart_resumes_exactly"]["figures"]
     assert train["comparison"]["identical"] and train["spec"] == "local", train
     assert train["restored"][-1]["tier"] == "local"
+    reshard_restore = report["tests"]["test_reshardable_restore_of_the_optimizer_resumes_exactly"]["figures"]
+    assert reshard_restore["restore_events"][-1]["tier"] == "reshardable" and reshard_restore["comparison"]["identical"]
+    steps = report["tests"]["test_each_parameter_keeps_its_own_adam_step_after_a_restore"]["figures"]
+    assert steps["tier1_restore"]["adam_steps"] == [8.0] and steps["reshardable_restore"]["adam_steps"] == [8.0]
     reshard = report["tests"]["test_reshardable_checkpoint_loads_on_cpu_at_tp2"]["figures"]
     assert reshard["all_equal"] and reshard["layout"]["tp"] == 2 and reshard["optimizer_keys"] > 0
     bench = report["tests"]["test_background_save_blocks_less_than_a_sync_save"]["figures"]
     assert 0 < bench["blocked_ratio"] < 1 and bench["snapshot"]["gb_per_s"] > 0
+    assert bench["sizing"]["limited_by"] and bench["copy_binding"] is None
 
 
 def test_wheels_are_picked_by_interpreter_and_glibc() -> None:
@@ -61,15 +69,44 @@ def test_wheels_are_picked_by_interpreter_and_glibc() -> None:
     assert not fits(Path("megatron_core-0.19.2-cp399-cp399-manylinux_2_28_x86_64.whl"))
 
 
-def _tiny_wheel(wheels: Path) -> Path:
-    path = wheels / "rp_probe-1.0-py3-none-any.whl"
+def test_stable_abi_wheels_fit_every_cpython_from_their_minimum() -> None:
+    assert python_fits("cp39", "abi3", here=(3, 12)) and python_fits("cp312", "abi3", here=(3, 12))
+    assert not python_fits("cp313", "abi3", here=(3, 12))  # needs a newer CPython
+    assert not python_fits("cp39", "cp39", here=(3, 12))  # an ordinary extension: its own version only
+    assert not python_fits("cp29", "abi3", here=(3, 12)) and not python_fits("py2", "none", here=(3, 12))
+    assert fits(Path("cryptography-44.0.0-cp39-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"))
+
+
+def _tiny_wheel(wheels: Path, tags: str = "py3-none-any", name: str = "rp_probe") -> Path:
+    path = wheels / f"{name}-1.0-{tags}.whl"
+    dist = name.replace("_", "-")
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("rp_probe/__init__.py", "def main() -> int:\n    print('probe ok')\n    return 0\n")
-        zf.writestr("rp_probe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: rp-probe\nVersion: 1.0\n")
-        zf.writestr("rp_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr("rp_probe-1.0.dist-info/entry_points.txt", "[console_scripts]\nrp-probe = rp_probe:main\n")
-        zf.writestr("rp_probe-1.0.dist-info/RECORD", "")
+        zf.writestr(f"{name}/__init__.py", "def main() -> int:\n    print('probe ok')\n    return 0\n")
+        zf.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        zf.writestr(f"{name}-1.0.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: {tags}\n")
+        zf.writestr(f"{name}-1.0.dist-info/entry_points.txt", f"[console_scripts]\n{dist} = {name}:main\n")
+        zf.writestr(f"{name}-1.0.dist-info/RECORD", "")
     return path
+
+
+def test_installer_without_pip_unpacks_a_stable_abi_wheel(tmp_path: Path) -> None:
+    """A Python without pip (a venv made --without-pip): the fallback unpacks the cp39-abi3 wheel;
+    it then reports megatron-core and NVRx missing (that venv has neither) and exits 1."""
+    python = tmp_path / "nopip" / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "nopip")], check=True)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _tiny_wheel(wheels, "cp39-abi3-manylinux_2_17_x86_64", name="rp_abi3probe")
+    target = tmp_path / "site"
+    script = REPO / "scripts" / "install_carried_wheels.py"
+    proc = subprocess.run([str(python), str(script), str(wheels), str(target)], capture_output=True, text=True)
+    installed = json.loads((target / "installed.json").read_text())
+    assert (
+        installed["rp-abi3probe"]["action"]
+        == "installed (rp_abi3probe-1.0-cp39-abi3-manylinux_2_17_x86_64.whl, unpacked)"
+    )
+    assert installed["rp-abi3probe"]["now"] == "1.0" and (target / "rp_abi3probe" / "__init__.py").is_file()
+    assert proc.returncode == 1 and "megatron-core, nvidia-resiliency-ext not installed; fix:" in proc.stderr
 
 
 def test_installer_installs_offline_into_a_target(tmp_path: Path) -> None:

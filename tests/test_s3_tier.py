@@ -15,12 +15,12 @@ from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, read_jsonl, torchrun
 from tiering.collective import SingleProcess
 from tiering.digest import PORTABLE_HASH, HashSpec
-from tiering.errors import ObjectStoreError, TransferInterrupted
+from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
 from tiering.objectstore import PreconditionFailed, open_store
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.remote import LeaseError, RemoteTier
+from tiering.remote import RemoteTier
 from tiering.verify import committed_marker, verify_step
 
 RUN = "t"
@@ -81,7 +81,7 @@ def test_ranged_reads_arrive_in_pieces_and_stop_at_the_object_end(remote_uri: tu
     assert b"".join(store.iter_range("ckpt/obj", 999_990, 4096)) == data[999_990:]  # short: the object ends
     assert list(store.iter_range("ckpt/obj", len(data), 4096)) == []  # past the end (S3: HTTP 416)
     missing = store.iter_range("ckpt/none", 0, 10)
-    with pytest.raises(KeyError):
+    with pytest.raises(ObjectNotFound):
         next(missing)
 
 

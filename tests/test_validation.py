@@ -95,7 +95,7 @@ def test_the_exporter_serves_the_newest_validation_loss() -> None:
     metrics = TrainingMetrics("r")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(metrics)
-    assert b"validation_loss" not in generate_latest(registry)
+    assert b"validation_loss{" not in generate_latest(registry), "no series before the first evaluation"
     metrics.validated(200, 2.5)
     text = generate_latest(registry).decode()
     assert 'validation_loss{run_id="r"} 2.5' in text and 'validation_step{run_id="r"} 200.0' in text

@@ -25,12 +25,12 @@ import time
 import warnings
 from pathlib import Path
 
-from tiering.errors import VerificationError
+from tiering.errors import LeaseError, VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
 from tiering.manifest import MANIFEST_NAME, Manifest
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier, StepStatus
-from tiering.remote import LeaseError, RemoteTier, default_owner
+from tiering.remote import RemoteTier, default_owner
 from tiering.uploader import Backoff, Uploader
 from tiering.verify import verify_step
 

@@ -106,7 +106,8 @@ class ChunkedDigest:
     @classmethod
     def from_json(cls, body: dict[str, object]) -> ChunkedDigest:
         chunks = body["chunks"]
-        assert isinstance(chunks, list)
+        if not isinstance(chunks, list):  # checked, not asserted: ``python -O`` drops asserts
+            raise VerificationError("<chunked digest>", f"'chunks' is a {type(chunks).__name__}, not a list")
         return cls(str(body["hash"]), int(str(body["chunk_bytes"])), int(str(body["size"])), tuple(map(str, chunks)))
 
 

@@ -1,11 +1,26 @@
-"""The small exception hierarchy of the checkpoint tiers."""
+"""The one exception hierarchy of ``tiering``: every failure the library reports derives from
+:class:`TieringError`, so a caller can tell "the storage or a checkpoint said no" (catch the root)
+from a programming error (``TypeError``, ``KeyError``, ``AssertionError``, ...), which is never
+caught and reported as an I/O failure.
+
+* :class:`CheckpointError`: a step cannot be verified, published, restored or leased;
+* :class:`ObjectStoreError`: the object store is unreachable, refused, or lacks an object
+  (:class:`ObjectNotFound`), a condition failed (:class:`PreconditionFailed`), or a body broke
+  off (:class:`TransferInterrupted`).
+
+Every message is one line naming the file or object and, where there is one, the fix.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-class CheckpointError(Exception):
+class TieringError(Exception):
+    """Root of every error ``tiering`` raises on purpose."""
+
+
+class CheckpointError(TieringError):
     """Base class of every checkpoint failure the tiers report."""
 
 
@@ -23,6 +38,11 @@ class PublishError(CheckpointError):
     """A save could not be published; older committed steps are untouched."""
 
 
+class DiskFull(PublishError):
+    """A tier's volume cannot hold the step even after dropping the steps it may drop; one line
+    naming the path, the free and needed bytes and the fix."""
+
+
 class NoVerifiedCheckpoint(CheckpointError):
     """No tier holds a step that verifies."""
 
@@ -31,8 +51,20 @@ class ReplicaRejected(VerificationError):
     """A copy received from a peer does not match its manifest (or the run/step it claims)."""
 
 
-class ObjectStoreError(RuntimeError):
+class LeaseError(CheckpointError):
+    """Another identity owns this run's prefix."""
+
+
+class ObjectStoreError(TieringError):
     """The store is unreachable or refused a request; ``str(err)`` is one line."""
+
+
+class ObjectNotFound(ObjectStoreError):
+    """The object does not exist (HTTP 404, or a missing file under ``file://``)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: no such object")
 
 
 class PreconditionFailed(ObjectStoreError):

@@ -93,17 +93,24 @@ def sha256_file(path: Path) -> tuple[int, str]:
 
 
 class _Sink(io.RawIOBase):
-    """The file object ``torch.save`` writes to: every write goes through the hashing sink."""
+    """The file object ``torch.save`` writes to: every write goes through the hashing sink. The
+    first OSError is kept: torch's zip writer reports a failed write as its own RuntimeError
+    ("unexpected pos ..."), which would hide a full disk behind what looks like a bug."""
 
     def __init__(self, sink: ChunkHashingSink) -> None:
         super().__init__()
         self._sink = sink
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: bytes | memoryview) -> int:  # type: ignore[override]
-        return self._sink.write(data)
+        try:
+            return self._sink.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
 
 
 def write_file_durably(
@@ -115,8 +122,13 @@ def write_file_durably(
     digest, computed while writing on ``spec.threads`` hashing threads (nothing is read back)."""
     with open(path, "xb", buffering=0) as raw:
         sink = ChunkHashingSink(raw, spec.name, spec.chunk_bytes, spec.threads)
+        out = _Sink(sink)
         try:
-            write(_Sink(sink))
+            write(out)
+        except Exception as exc:
+            if out.error is not None:  # the file system's own error, not the serialiser's rewording
+                raise OSError(out.error.errno, f"{path}: {out.error.strerror}") from exc
+            raise
         finally:
             digest = sink.finish()
         os.fsync(raw.fileno())

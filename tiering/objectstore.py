@@ -16,7 +16,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from tiering.errors import ObjectStoreError, PreconditionFailed, TransferInterrupted
+from tiering.errors import ObjectNotFound, ObjectStoreError, PreconditionFailed, TransferInterrupted
 
 # A ranged GET is consumed in pieces this size: each piece is hashed and written while it is still in
 # the CPU's cache, and eight downloads in flight hold 8 MiB of buffers, not eight whole chunks.
@@ -49,7 +48,7 @@ class ObjectStore(Protocol):
         ...
 
     def get_bytes(self, key: str) -> tuple[bytes, str]:
-        """Return (content, etag); raise KeyError if the object does not exist."""
+        """Return (content, etag); raise ObjectNotFound if the object does not exist."""
         ...
 
     def download_file(self, key: str, path: Path) -> None: ...
@@ -57,7 +56,7 @@ class ObjectStore(Protocol):
     def iter_range(self, key: str, start: int, length: int, piece_bytes: int = RANGE_PIECE_BYTES) -> Iterator[bytes]:
         """Bytes ``[start, start + length)`` of the object (one ranged GET), as they arrive, in pieces
         of at most ``piece_bytes``; fewer bytes in all if the object is shorter. Raised when the
-        first piece is asked for: KeyError if the object is missing, ObjectStoreError if the store
+        first piece is asked for: ObjectNotFound if the object is missing, ObjectStoreError if the store
         fails or does not honour the range; later, TransferInterrupted if the body breaks off."""
         ...
 
@@ -89,17 +88,14 @@ def open_store(
     connect_timeout_s: float = 5.0,
     read_timeout_s: float = 60.0,
     max_attempts: int = 5,
-    fault: str | None = None,
 ) -> tuple[ObjectStore, str]:
-    """Return the store and the key prefix inside it (``fault``: see :func:`_install_fault_hooks`)."""
+    """Return the store and the key prefix inside it."""
     scheme, where, prefix = split_uri(uri)
     if scheme == "file":
         return FileStore(Path(where)), prefix
     store = S3Store(
         where, endpoint_url, concurrency, chunk_mb, checksum_header, connect_timeout_s, read_timeout_s, max_attempts
     )
-    if fault:
-        _install_fault_hooks(store.client, fault)
     return store, prefix
 
 
@@ -160,7 +156,7 @@ class S3Store:
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
                 raise PreconditionFailed(f"{self.url}/{what}: precondition failed") from exc
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-                raise KeyError(what) from exc
+                raise ObjectNotFound(what) from exc
             raise ObjectStoreError(f"{self.url}/{what}: {code or status}: {exc}") from exc
         except (BotoCoreError, Boto3Error) as exc:
             # Boto3Error: upload_file/download_file wrap a part's final error (e.g. 503 SlowDown after
@@ -242,7 +238,7 @@ class S3Store:
         try:
             with self._errors(key):
                 resp = self.client.head_object(Bucket=self.bucket, Key=key)
-        except KeyError:
+        except ObjectNotFound:
             return None
         meta = resp.get("Metadata", {})
         digest = meta.get("digest") or (f"sha256:{meta['sha256']}" if "sha256" in meta else None)
@@ -270,37 +266,6 @@ class S3Store:
                     self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
                     n += 1
         return n
-
-
-def _install_fault_hooks(client: Any, spec: str) -> None:
-    """Deliberate faults for tests and drills (``tiering upload --inject-fault``, or the training
-    config's ``fault_tolerance.inject.s3_fault`` through ``pretrain upload``):
-
-    * ``kill_after_parts=N``: SIGKILL this process once N multipart parts were uploaded;
-    * ``timeout_parts=N``: the first N UploadPart requests time out (the client retries them).
-    """
-    from botocore.exceptions import ReadTimeoutError  # boto3/botocore: only with an s3:// store
-
-    kind, _, count = spec.partition("=")
-    limit = int(count or "1")
-    seen = {"n": 0}
-
-    def kill_after(**_: Any) -> None:
-        seen["n"] += 1
-        if seen["n"] >= limit:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def time_out(request: Any = None, **_: Any) -> None:
-        if seen["n"] < limit:
-            seen["n"] += 1
-            raise ReadTimeoutError(endpoint_url=getattr(request, "url", "s3"))
-
-    if kind == "kill_after_parts":
-        client.meta.events.register("after-call.s3.UploadPart", kill_after)
-    elif kind == "timeout_parts":
-        client.meta.events.register("before-send.s3.UploadPart", time_out)
-    else:
-        raise ValueError(f"S3 fault {spec!r}: unknown; use kill_after_parts=N or timeout_parts=N")
 
 
 def _b64md5(data: bytes) -> str:
@@ -376,20 +341,20 @@ class FileStore:
     def get_bytes(self, key: str) -> tuple[bytes, str]:
         path = self._path(key)
         if not path.is_file():
-            raise KeyError(key)
+            raise ObjectNotFound(key)
         data = path.read_bytes()
         return data, hashlib.md5(data).hexdigest()
 
     def download_file(self, key: str, path: Path) -> None:
         src = self._path(key)
         if not src.is_file():
-            raise KeyError(key)
+            raise ObjectNotFound(key)
         shutil.copyfile(src, path)
 
     def iter_range(self, key: str, start: int, length: int, piece_bytes: int = RANGE_PIECE_BYTES) -> Iterator[bytes]:
         path = self._path(key)
         if not path.is_file():
-            raise KeyError(key)
+            raise ObjectNotFound(key)
         with open(path, "rb", buffering=0) as fh:
             end = start + length
             while start < end:

@@ -142,9 +142,16 @@ class PosixTier:
             out.add(step)
         return out
 
-    def apply_retention(self, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Delete steps beyond the policy. Structural verification decides which steps count as kept;
-        steps pinned by a live process (an upload in progress, say) are kept."""
+    def make_room(self) -> list[int]:
+        """A full volume: drop every step but the newest verified one (and pinned ones), oldest
+        first; returns the steps deleted. The next save then needs room for one step beside it."""
+        return self.apply_retention(policy=KeepNewest(1))
+
+    def apply_retention(
+        self, protected: set[int] | frozenset[int] = frozenset(), policy: RetentionPolicy | None = None
+    ) -> list[int]:
+        """Delete steps beyond the policy (default: this tier's). Structural verification decides which
+        steps count as kept; steps pinned by a live process (an upload in progress, say) are kept."""
         protected = set(protected) | self.pinned_steps()
         verified = []
         for step in self.committed_steps():
@@ -153,7 +160,7 @@ class PosixTier:
                 verified.append(step)
             except VerificationError:
                 continue
-        doomed = self.policy.deletable(verified, protected)
+        doomed = (policy or self.policy).deletable(verified, protected)
         for step in doomed:
             path = self.layout.step_dir(step)
             # Remove the marker first: a crash mid-delete leaves an uncommitted step, never a torn committed one.

@@ -16,13 +16,14 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiering.collective import Collective
 from tiering.digest import DEFAULT_HASHING, ChunkedDigest, ChunkFailure, HashSpec, hash_file
-from tiering.errors import PublishError, ReplicaRejected, VerificationError
+from tiering.errors import DiskFull, PublishError, ReplicaRejected, VerificationError
 from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
@@ -53,13 +54,15 @@ class PosixStepPublisher:
         self.attempt = attempt
         self.hashing = hashing
 
-    def begin(self, step: int, expected_bytes: int = 0) -> Path:
+    def begin(self, step: int, expected_bytes: int = 0, make_room: Callable[[], object] | None = None) -> Path:
         """Create the temporary step directory (rank 0) and return it on every rank.
 
-        ``expected_bytes`` (e.g. the size of the previous step) lets a save that cannot fit fail up
-        front with a clear message instead of half-way through with whatever the writer reports.
+        ``expected_bytes`` (e.g. the size of the previous step and the replicas the volume holds)
+        is compared with the free space first: when short, ``make_room`` (dropping the tier's steps
+        down to the newest verified one) runs and the space is measured again; a save that still
+        cannot fit fails up front with :class:`DiskFull` instead of half-way through.
         """
-        error = None
+        error: tuple[bool, str] | None = None  # (disk full?, one line)
         tmp = self.layout.tmp_dir(step, self.attempt)
         if self.coll.rank == 0:
             try:
@@ -69,20 +72,38 @@ class PosixStepPublisher:
                         "published steps are immutable, refusing to overwrite"
                     )
                 self.layout.steps_dir.mkdir(parents=True, exist_ok=True)
-                free = shutil.disk_usage(self.layout.steps_dir).free
-                if expected_bytes and free < expected_bytes:
-                    raise PublishError(
-                        f"{self.layout.steps_dir}: not enough free space for step {step} "
-                        f"(needs ~{expected_bytes / 1e6:.1f} MB, {free / 1e6:.1f} MB free), older steps are "
-                        "intact; fix: free space on that volume or lower checkpoint.local.keep"
-                    )
+                self._check_space(step, expected_bytes, make_room)
                 tmp.mkdir(exist_ok=False)
             except (OSError, PublishError) as exc:
-                error = str(exc)
+                error = (isinstance(exc, DiskFull), str(exc))
         error = self.coll.broadcast(error)
         if error:
-            raise PublishError(error)
+            raise (DiskFull if error[0] else PublishError)(error[1])
         return tmp
+
+    def _check_space(self, step: int, needed: int, make_room: Callable[[], object] | None) -> None:
+        free = shutil.disk_usage(self.layout.steps_dir).free
+        if not needed or free >= needed:
+            return
+        if make_room is not None:
+            dropped = make_room()
+            free_after = shutil.disk_usage(self.layout.steps_dir).free
+            log.warning(
+                "%s: %.1f MB free, step %d needs ~%.1f MB: dropped older steps %s (%.1f MB free now)",
+                self.layout.steps_dir,
+                free / 1e6,
+                step,
+                needed / 1e6,
+                dropped,
+                free_after / 1e6,
+            )
+            free = free_after
+        if free < needed:
+            raise DiskFull(
+                f"{self.layout.steps_dir}: disk full: {free} bytes free, step {step} needs ~{needed} "
+                "even with only the newest verified step kept; older steps are intact; fix: give that volume "
+                "more space (or fewer replicas: checkpoint.replication.factor)"
+            )
 
     def commit(
         self,

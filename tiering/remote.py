@@ -29,20 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.digest import bad_chunk_reason, chunk_range, new_hasher
-from tiering.errors import CheckpointError, TransferInterrupted, VerificationError
+from tiering.errors import CheckpointError, LeaseError, ObjectNotFound, TransferInterrupted, VerificationError
 from tiering.layout import RunLayout, parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.objectstore import ObjectStore, PreconditionFailed, open_store
 from tiering.publish import publish_dir
 from tiering.retention import ObjectStoreRetention, StepView
+from tiering.store_faults import install_s3_faults
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 log = logging.getLogger(__name__)
 FETCH_ATTEMPTS = 3  # requests per chunk when its body breaks off mid-way (reset, read timeout)
-
-
-class LeaseError(CheckpointError):
-    """Another identity owns this run's prefix."""
 
 
 def default_owner() -> str:
@@ -92,8 +89,10 @@ class RemoteTier:
         injects deliberate S3 faults (tests and drills only); ``max_attempts``: the S3 client's tries
         per request before the error reaches the caller (whose own backoff then applies)."""
         store, prefix = open_store(
-            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, max_attempts=max_attempts, fault=fault
+            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, max_attempts=max_attempts
         )
+        if fault:
+            install_s3_faults(store, fault)
         return cls(store, prefix, run_id, concurrency)
 
     # -- keys ------------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ class RemoteTier:
         for _ in range(attempts):
             try:
                 raw, etag = self.store.get_bytes(key)
-            except KeyError:
+            except ObjectNotFound:
                 try:
                     self.store.put_bytes(key, body, if_none_match=True)
                     return
@@ -205,10 +204,13 @@ class RemoteTier:
     def latest_hint(self) -> int | None:
         try:
             raw, _ = self.store.get_bytes(self.key("latest.json"))
-            step = json.loads(raw)["step"]
-            return step if isinstance(step, int) else None
-        except (KeyError, ValueError, TypeError):
+        except ObjectNotFound:
             return None
+        try:
+            step = json.loads(raw)["step"]
+        except (KeyError, ValueError, TypeError):  # only a hint: an unreadable one is ignored
+            return None
+        return step if isinstance(step, int) else None
 
     # -- listing ---------------------------------------------------------------------------------
     def steps(self) -> dict[int, set[str]]:
@@ -236,14 +238,14 @@ class RemoteTier:
             manifest_get = pool.submit(self.store.get_bytes, self.step_key(step, MANIFEST_NAME))
         try:
             marker, _ = marker_get.result()
-        except KeyError as exc:
+        except ObjectNotFound as exc:
             raise VerificationError(
                 self.where(self.step_key(step, COMMITTED_NAME)),
                 "COMMITTED object is missing: the upload never finished",
             ) from exc
         try:
             raw, _ = manifest_get.result()
-        except KeyError as exc:
+        except ObjectNotFound as exc:
             raise VerificationError(where, "manifest.json object is missing") from exc
         manifest = Manifest.from_json(raw, where)
         if marker != committed_marker(step, raw):
@@ -357,7 +359,7 @@ class RemoteTier:
                     if offset == start + length:
                         break
                 break
-            except KeyError:
+            except ObjectNotFound:
                 return f"chunk {index}: object is missing (the manifest lists it)"
             except TransferInterrupted as exc:
                 if attempt == FETCH_ATTEMPTS:
@@ -441,8 +443,11 @@ class RemoteTier:
     def _read_marks(self) -> dict[int, float]:
         try:
             raw, _ = self.store.get_bytes(self.key("gc", "marks.json"))
+        except ObjectNotFound:
+            return {}
+        try:
             return {int(k): float(v) for k, v in json.loads(raw).items()}
-        except (KeyError, ValueError):
+        except (ValueError, AttributeError):  # unreadable marks: start marking again
             return {}
 
 

@@ -14,10 +14,10 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from tiering.errors import CheckpointError, VerificationError
+from tiering.errors import CheckpointError, LeaseError, VerificationError
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier
-from tiering.remote import LeaseError, RemoteTier, UploadResult
+from tiering.remote import RemoteTier, UploadResult
 
 log = logging.getLogger(__name__)
 

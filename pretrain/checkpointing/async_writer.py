@@ -4,7 +4,10 @@
   buffers (on GPU a device-to-host copy on its own stream into pinned memory), then writes. The
   copy overlaps the next step's forward and backward, which only read the weights; the trainer
   calls :meth:`BackgroundWrite.wait_for_snapshot` before the optimizer changes them in place.
-  Every non-tensor value is copied on the training thread at the save (cheap).
+  Every non-tensor value is copied on the training thread at the save (cheap). On GPU the writer
+  thread binds itself to the tensors' device for the copy (a thread starts on cuda:0): its stream,
+  the wait for the kernels that produced the state (an event recorded on the training thread's
+  stream at the save) and the pinned buffers are all on that device.
 * ``fork`` (CPU): ``os.fork()`` is the snapshot. The child sees the parent's memory as it was at
   the fork (copy-on-write), serialises it, fsyncs and exits; the parent goes on training and
   changes its own pages only. Blocked time is the fork itself (page tables, not data), plus the
@@ -36,9 +39,24 @@ from typing import IO, Any
 import torch
 
 from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec
+from tiering.errors import TieringError
 from tiering.fsio import write_file_durably
 
 log = logging.getLogger(__name__)
+
+
+# What a writer may meet from the storage: reported as a failed save (training goes on). Anything
+# else it raises is a bug, raised on the training thread so that it fails the attempt.
+STORAGE_ERRORS = (OSError, TieringError)
+
+
+class WriterBug(RuntimeError):
+    """A fork writer failed with a programming error (its type and message are in the text)."""
+
+
+def _maybe_bug(fault: str | None) -> None:
+    if fault == "bug":  # tests: a programming error inside the save, which must fail the attempt
+        raise TypeError("injected programming error in the tier-1 writer")
 
 
 @dataclass
@@ -96,10 +114,13 @@ class BackgroundWrite:
         self._report_fd: int | None = None
         self._written: threading.Event | None = None  # thread mode: set when the write ended
         self._thread_error: str | None = None
+        self._thread_bug: Exception | None = None
         self._digest: ChunkedDigest | None = None
         self._snapshot_done = threading.Event()
         self._snapshot: dict[str, Any] | None = None
         self._outcome: WriteOutcome | None = None
+        self.device: torch.device | None = None  # thread mode: the CUDA device of the saved tensors
+        self.copy_binding: dict[str, str] | None = None  # thread mode on GPU: where the copy ran
         if mode == "fork":
             read_fd, write_fd = os.pipe()
             self._pid = os.fork()
@@ -111,7 +132,9 @@ class BackgroundWrite:
             self._snapshot_done.set()
         else:
             staged = _stage_on_training_thread(payload)
-            self._written = _WRITER.submit(lambda: self._write_thread(staged, buffers, fault, prepare))
+            self.device = snapshot_device(_tensor_devices(staged))
+            produced = _record_produced(self.device)
+            self._written = _WRITER.submit(lambda: self._write_thread(staged, buffers, fault, prepare, produced))
 
     @property
     def pid(self) -> int | None:
@@ -139,21 +162,25 @@ class BackgroundWrite:
         buffers: SnapshotBuffers | None,
         fault: str | None,
         prepare: Callable[[], object] | None,
+        produced: Any = None,
     ) -> None:
         try:
             try:
-                self._snapshot = _copy_tensors(staged, buffers)
+                self._snapshot, self.copy_binding = _copy_tensors(staged, buffers, self.device, produced)
             finally:
                 self._snapshot_done.set()  # never leave the trainer waiting, even on failure
             if prepare is not None:
                 prepare()
             if fault == "slow":
                 time.sleep(0.6)
+            _maybe_bug(fault)
             self._digest = write_file_durably(self.path, lambda fh: save_state(self._snapshot, fh), self.hashing)
             if fault == "fail":
                 raise OSError("injected writer failure")
-        except Exception as exc:  # reported by poll(); the step is not committed
+        except STORAGE_ERRORS as exc:  # the storage said no: reported by poll(), the step is not committed
             self._thread_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug: poll() raises it on the training thread, failing the attempt
+            self._thread_bug = exc
 
     def poll(self, block: bool = False) -> WriteOutcome | None:
         """None while running; the outcome once the writer ended (cause included on failure)."""
@@ -166,6 +193,8 @@ class BackgroundWrite:
             error = None
             report = _read_report(self._report_fd)
             self._close_pipe()
+            if report.get("bug"):
+                raise WriterBug(f"background writer (pid {self._pid}) raised {report.get('error')}")
             if os.WIFSIGNALED(status):
                 error = killed_by_signal(self._pid, os.WTERMSIG(status))
             elif os.WEXITSTATUS(status) != 0:
@@ -177,6 +206,8 @@ class BackgroundWrite:
             assert self._written is not None
             if not self._written.wait(None if block else 0):
                 return None
+            if self._thread_bug is not None:
+                raise self._thread_bug
             error = self._thread_error
         self._outcome = WriteOutcome(error is None, error, time.perf_counter() - self.started, self._digest)
         return self._outcome
@@ -240,32 +271,74 @@ def _stage_on_training_thread(payload: Any) -> Any:
     return copy.deepcopy(payload)
 
 
-def _copy_tensors(staged: Any, buffers: SnapshotBuffers | None) -> dict[str, Any]:
+def snapshot_device(devices: Any) -> torch.device | None:
+    """The CUDA device the writer thread binds to for a snapshot of tensors on ``devices``: None
+    when none is on CUDA. One rank's state lives on one GPU: tensors on two are a programming
+    error, refused rather than copied on the wrong device's stream."""
+    cuda = {torch.device(d) for d in devices if torch.device(d).type == "cuda"}
+    if len(cuda) > 1:
+        raise ValueError(f"a snapshot's tensors are on {sorted(map(str, cuda))}: one rank's state must be on one GPU")
+    if not cuda:
+        return None
+    device = cuda.pop()
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _tensor_devices(v: Any) -> set[torch.device]:
+    if isinstance(v, torch.Tensor):
+        return {v.device}
+    if isinstance(v, dict):
+        return set().union(*(_tensor_devices(x) for x in v.values()))
+    if type(v) in (list, tuple):
+        return set().union(*(_tensor_devices(x) for x in v))
+    return set()
+
+
+def _record_produced(device: torch.device | None) -> Any:
+    """On the training thread, at the save: an event after the kernels queued so far on its
+    current stream of ``device`` (the optimizer step that produced the state)."""
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _copy_tensors(
+    staged: Any, buffers: SnapshotBuffers | None, device: torch.device | None = None, produced: Any = None
+) -> tuple[dict[str, Any], dict[str, str] | None]:
     """The writer thread's snapshot: every tensor copied into host memory (into reusable
-    buffers when given; on GPU on a side stream into pinned buffers), the rest as staged."""
-    on_gpu = _any_cuda(staged)
-    stream = torch.cuda.Stream() if on_gpu else None
-    if stream is not None:  # after the kernels that produced the state (the optimizer step)
-        stream.wait_stream(torch.cuda.default_stream())
-    counter = iter(range(1 << 62))
+    buffers when given; on GPU on a side stream of the tensors' device into pinned buffers, the
+    thread bound to that device), the rest as staged. Also returns where a GPU copy ran."""
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        stream = torch.cuda.Stream(device=device) if device is not None else None
+        if stream is not None and produced is not None:
+            stream.wait_event(produced)
+        counter = iter(range(1 << 62))
 
-    def copy_tree(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            index = next(counter)
-            if buffers is not None:
-                return buffers.copy(index, v, stream)
-            return v.detach().to("cpu", copy=True, non_blocking=stream is not None)
-        if isinstance(v, dict):
-            return {k: copy_tree(x) for k, x in v.items()}
-        if type(v) in (list, tuple):
-            return type(v)(copy_tree(x) for x in v)
-        return v
+        def copy_tree(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                index = next(counter)
+                if buffers is not None:
+                    return buffers.copy(index, v, stream)
+                return v.detach().to("cpu", copy=True, non_blocking=stream is not None)
+            if isinstance(v, dict):
+                return {k: copy_tree(x) for k, x in v.items()}
+            if type(v) in (list, tuple):
+                return type(v)(copy_tree(x) for x in v)
+            return v
 
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        snapshot = copy_tree(staged)
-    if stream is not None:
-        stream.synchronize()
-    return snapshot
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            snapshot = copy_tree(staged)
+        binding = None
+        if stream is not None:
+            stream.synchronize()
+            binding = {
+                "tensors": str(device),
+                "thread": f"cuda:{torch.cuda.current_device()}",
+                "stream": str(stream.device),
+            }
+    return snapshot, binding
 
 
 def save_state(payload: dict[str, Any], fh: IO[bytes]) -> None:
@@ -277,16 +350,6 @@ def save_state(payload: dict[str, Any], fh: IO[bytes]) -> None:
         torch.save(payload, fh)
     finally:
         torch.serialization.set_crc32_options(previous)
-
-
-def _any_cuda(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.is_cuda
-    if isinstance(v, dict):
-        return any(_any_cuda(x) for x in v.values())
-    if type(v) in (list, tuple):
-        return any(_any_cuda(x) for x in v)
-    return False
 
 
 def _read_report(fd: int | None) -> dict[str, Any]:
@@ -322,12 +385,14 @@ def _child_write(
             time.sleep(0.6)
         if prepare is not None:
             prepare()
+        _maybe_bug(fault)
         report["digest"] = write_file_durably(path, lambda fh: save_state(payload, fh), hashing).to_json()
         if fault == "fail":
             raise OSError("injected writer failure")
     except BaseException as exc:  # noqa: BLE001 - the child must always reach os._exit
         code = 1
         report = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=2)}
+        report["bug"] = not isinstance(exc, STORAGE_ERRORS)  # the parent raises it instead of reporting it
     with contextlib.suppress(OSError):
         os.write(report_fd, json.dumps(report).encode())
     os._exit(code)

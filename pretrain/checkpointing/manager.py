@@ -15,8 +15,7 @@ import logging
 
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
-from pretrain.checkpointing.tier import CheckpointTier
-from pretrain.checkpointing.tiered import TieredCheckpointer
+from pretrain.checkpointing.tier import CheckpointTier, TierSet
 from pretrain.config import Config
 from pretrain.errors import PreemptedError
 from pretrain.resilience.faults import maybe_slow_save
@@ -32,7 +31,7 @@ class CheckpointManager:
     def __init__(
         self,
         cfg: Config,
-        tiers: TieredCheckpointer,
+        tiers: TierSet,
         state: TrainingState,
         report: SaveReport,
         monitor: RankMonitor,

@@ -36,7 +36,7 @@ from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess, TorchCollective
 from tiering.digest import ChunkedDigest, HashSpec
-from tiering.errors import PublishError
+from tiering.errors import PublishError, TieringError
 from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
@@ -138,10 +138,24 @@ class PerRankCheckpoints:
         ]
 
     def prepare(self) -> None:
-        """Drop this rank's temporary directories left by earlier attempts."""
+        """Drop this rank's temporary directories left by earlier attempts; remember the size of
+        the newest committed step (what the first save of this attempt needs room for)."""
         for store in self.stores():
             for path in store.clean_stale_tmp(self.attempt):
                 log.info("removed unfinished local save of an earlier attempt: %s", path)
+        newest = self.store.committed_steps()[:1]
+        if newest and not self._last_bytes:
+            self._last_bytes = dir_size(self.store.step_path(newest[0]))
+
+    def _needed_bytes(self) -> int:
+        """Room the next step needs on this node's volume: every rank of the node writes its own part
+        and receives the replicas it holds, all about the size of the last step (0: not known yet)."""
+        ranks_here = sum(1 for i in self.identities if i.node == self.node)
+        return self._last_bytes * (1 + len(self.replicator.owners_held)) * ranks_here
+
+    def _make_room(self) -> list[int]:
+        """The volume is short of space: every store of this rank keeps only its newest verified step."""
+        return [step for store in self.stores() for step in store.make_room()]
 
     # -- save ------------------------------------------------------------------------------------
     def due(self, step: int, final: bool) -> bool:
@@ -161,13 +175,11 @@ class PerRankCheckpoints:
         payload: dict[str, Any] | None = None
         digest = None
         try:
-            tmp = self.publisher.begin(state.step, expected_bytes=self._last_bytes)
+            tmp = self.publisher.begin(state.step, self._needed_bytes(), self._make_room)
             payload = self._payload(state)
             digest = write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing)
-        except (PublishError, OSError) as exc:
+        except (TieringError, OSError) as exc:  # storage said no; a bug (TypeError, ...) fails the attempt
             error = str(exc)
-        except Exception as exc:
-            error = one_line(exc)
         if error is None and deadline is not None and time.monotonic() > deadline:
             error = "emergency save deadline passed before commit"
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
@@ -206,18 +218,16 @@ class PerRankCheckpoints:
                 entry["host_copy"] = copy.deepcopy(payload)
             # A snapshot kept as the host copy cannot share buffers with the next save.
             buffers = None if self._keep_host_copy else self._buffers
-            expected = self._last_bytes
+            expected = self._needed_bytes()
 
             def make_tmp_dir() -> None:  # in the writer: a mkdir can stall behind writeback
-                self.publisher.begin(step, expected_bytes=expected)
+                self.publisher.begin(step, expected, self._make_room)
 
             entry["write"] = BackgroundWrite(
                 mode, payload, tmp / STATE_FILE, fault, buffers, prepare=make_tmp_dir, hashing=self.hashing
             )
-        except (PublishError, OSError) as exc:
+        except (TieringError, OSError) as exc:  # storage said no; a bug (TypeError, ...) fails the attempt
             entry["error"] = str(exc)
-        except Exception as exc:
-            entry["error"] = one_line(exc)
         entry["blocked"] = time.perf_counter() - t0
         self._inflight = entry
         write = entry["write"]
@@ -479,6 +489,8 @@ class _PublishInFlight:
         if self._error is not None:
             if isinstance(self._error, PublishError):
                 raise self._error
-            raise PublishError(f"step {self.step} not published: {one_line(self._error)}")
+            if isinstance(self._error, (TieringError, OSError)):
+                raise PublishError(f"step {self.step} not published: {one_line(self._error)}") from self._error
+            raise self._error  # a programming error fails the attempt, never reads as a failed save
         assert self._result is not None
         return self._result

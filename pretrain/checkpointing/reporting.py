@@ -8,17 +8,32 @@ import logging
 from dataclasses import dataclass
 
 from pretrain.checkpointing.state import SaveResult
-from pretrain.checkpointing.tiered import TieredCheckpointer
+from pretrain.checkpointing.tier import TierSet
 from pretrain.metrics import TrainingMetrics
 from pretrain.resilience.attempts import AttemptLog
 from pretrain.runlog import RunLog
+from tiering.errors import DiskFull
 
 log = logging.getLogger("pretrain")
+
+# How a failed save's cause shows in its one line once it crossed ranks as text (a writer's
+# OSError, another rank's DiskFull): the metric's reason label.
+_DISK_FULL = ("disk full", "no space left on device", "disk quota exceeded")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``disk_full``, ``timeout`` or ``error``: the ``reason`` of ``checkpoint_save_failures_total``."""
+    text = str(exc).lower()
+    if isinstance(exc, DiskFull) or any(marker in text for marker in _DISK_FULL):
+        return "disk_full"
+    if "timed out" in text or "deadline" in text:
+        return "timeout"
+    return "error"
 
 
 @dataclass
 class SaveReport:
-    tiers: TieredCheckpointer
+    tiers: TierSet
     runlog: RunLog
     metrics: TrainingMetrics
     records: AttemptLog
@@ -26,7 +41,7 @@ class SaveReport:
     stop_on_error: bool  # checkpoint.on_save_error: stop
 
     def queue_changed(self) -> None:
-        self.metrics.queue_depth = self.metrics.uncommitted = self.tiers.in_flight_count()
+        self.metrics.queued(self.tiers.in_flight_count())
 
     def saved(self, saved: SaveResult, current_step: int) -> None:
         self.tiers.committed(saved.step)
@@ -50,9 +65,10 @@ class SaveReport:
     def failed(self, tier: str, step: int, exc: Exception) -> None:
         """The step is not published in this tier; older steps are intact. Training goes on (the
         next interval tries again) unless checkpoint.on_save_error is stop."""
+        reason = failure_reason(exc)
         log.error("checkpoint of step %d failed: %s", step, exc)
-        self.runlog.event("save_failed", tier=tier, step=step, error=str(exc))
-        self.metrics.save_failed(tier)
+        self.runlog.event("save_failed", tier=tier, step=step, error=str(exc), reason=reason)
+        self.metrics.save_failed(tier, reason)
         if self.stop_on_error:
             raise exc
 

@@ -279,7 +279,9 @@ class ReshardableCheckpoints:
         trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
         apply_trainer_state(state, trainer, path / "trainer.pt")
         model_sd = state.model.sharded_state_dict()
-        optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
+        # A load template, as Megatron's own loader asks for it (megatron/training/checkpointing.py,
+        # core_r0.19.0 L2280): the DistributedOptimizer allocates its state for it first.
+        optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable", is_loading=True)
         loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
         state.model.load_state_dict(loaded["model"], strict=True)
         state.optimizer.load_sharded_state_dict(loaded["optimizer"])

@@ -5,13 +5,18 @@ abandon), and cleans up what earlier attempts left (``prepare``). Every call tha
 returns a save is collective over the training group: all ranks call it at the same step.
 Restores are tier-specific (a peer plan for tiers 1-2, a resharding load for the reshardable
 tier) and are ordered by :class:`pretrain.checkpointing.tiered.TieredCheckpointer`.
+
+:class:`TierSet` is the seam between the checkpoint manager and the tiers as a whole (what
+``TieredCheckpointer`` is to it): the manager's policy (what is due, waiting or skipping while a
+save is in flight, the emergency save) is tested in one process against tiers that need no
+process group (``tests/test_checkpoint_manager.py``).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from pretrain.checkpointing.state import SaveResult, TrainingState
+from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
 
 
 class CheckpointTier(Protocol):
@@ -48,4 +53,31 @@ class CheckpointTier(Protocol):
 
     def abandon_async(self) -> None:
         """After a failure: stop the background writer; its step is never committed."""
+        ...
+
+
+class TierSet(Protocol):
+    """The tiers of one run, in save order, as the checkpoint manager and the save report use them."""
+
+    @property
+    def local(self) -> CheckpointTier | None:
+        """Tier 1 (the emergency save goes there), if enabled."""
+        ...
+
+    def prepare(self) -> None: ...
+
+    def restore(self, state: TrainingState) -> RestoreResult | None:
+        """Collective: load the newest step every rank can obtain from any tier; None if none."""
+        ...
+
+    def due(self, step: int) -> list[CheckpointTier]: ...
+
+    def background_tiers(self) -> list[CheckpointTier]: ...
+
+    def before_optimizer_step(self) -> float: ...
+
+    def in_flight_count(self) -> int: ...
+
+    def committed(self, step: int) -> None:
+        """A save of ``step`` was published (in the foreground or the background)."""
         ...

@@ -21,10 +21,11 @@ from pretrain.errors import FreshStartRefused
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.runlog import run_dir
 from tiering.collective import Collective
+from tiering.errors import LeaseError
 from tiering.fsio import atomic_write_bytes
 from tiering.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
 from tiering.peer_restore import PeerPlanResult, PeerRestore
-from tiering.remote import LeaseError, RemoteTier
+from tiering.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 

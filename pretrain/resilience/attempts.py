@@ -19,16 +19,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from pretrain.resilience.failures import Classification, FailureInfo
-from pretrain.resilience.phases import read_phases, record_of
+from pretrain.resilience.phases import PULSE_S, fatal_signal, ranks_dir, read_phases, record_of
 from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
+# A rank whose pulse stopped this long before every other rank's hung (a kill is seen by its peers
+# at once; a hang only when the launcher's heartbeat or section timeout runs out).
+HUNG_GAP_S = 3.0
 
 ATTEMPT_GLOB = "attempt-*.json"
 _TAIL_BYTES = 1 << 20
@@ -70,8 +74,8 @@ def record_failure(run_dir: Path, attempt_id: str, rank: int, info: FailureInfo)
                 **info.to_dict(),
             },
         )
-    except OSError:
-        pass
+    except OSError as exc:  # the rank is failing anyway; the next attempt names it "without a report"
+        log.warning("rank %d: could not write its failure report under %s: %s", rank, run_dir, exc)
 
 
 def _process_start() -> float:
@@ -187,34 +191,89 @@ def _reported(first: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str,
 
 def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Ranks that ended without a report; the phase each was last in, from its phase record when
-    that record belongs to this attempt (its process started after the attempt did)."""
+    that record belongs to this attempt (its process started after the attempt did). A rank that a
+    fatal signal ended, or whose pulse stopped long before its peers' (a hang), is named as such."""
     phases = read_phases(run_dir)
     started = record.get("process_started_at") or record.get("started_at") or 0
-    recs = {r: rec for r in silent if (rec := record_of(phases.get(r), started, attempt=record.get("id")))}
+    attempt = record.get("id")
+    every = {r: rec for r, p in phases.items() if (rec := record_of(p, started, attempt=attempt))}
+    recs = {r: every[r] for r in silent if r in every}
+    where = {r: recs[r]["phase"] for r in silent if r in recs}
+    fatal = {r: f for r in silent if (f := fatal_signal(ranks_dir(run_dir), r, recs.get(r, {}).get("pid")))}
+    if fatal:
+        return _fatal_failure(fatal, where, reports)
+    alive = {r: float(rec["last_alive"]) for r, rec in every.items() if "last_alive" in rec}
+    hung = _hung(alive, silent, reports)
+    if hung is not None:
+        return _silent_failure(hung[0], where, record, reports, hung_for=hung[1])
     # A rank whose record says it was told to stop (SIGTERM from the launcher stopping the group)
     # did not fail first; the ranks that died without being told did.
     unsignalled = [r for r in silent if "signal" not in recs.get(r, {})]
     silent = unsignalled or silent
-    return _silent_failure(silent, {r: recs[r]["phase"] for r in silent if r in recs}, record, reports)
+    return _silent_failure(silent, {r: where[r] for r in silent if r in where}, record, reports)
+
+
+def _hung(alive: dict[int, float], silent: list[int], reports: list[dict[str, Any]]) -> tuple[list[int], float] | None:
+    """The silent ranks whose pulse stopped ``HUNG_GAP_S`` or more before every other rank's, and
+    the gap; None when nothing stands out that far, or when a peer reported losing them (a kill:
+    peers see the connection close at once)."""
+    if len(alive) < 2:
+        return None
+    first = min(alive.values())
+    early = sorted(r for r, t in alive.items() if t <= first + 2 * PULSE_S)
+    later = [t for r, t in alive.items() if r not in early]
+    if not later or not set(early) <= set(silent):
+        return None
+    stopped = max(alive[r] for r in early)
+    gap = min(later) - stopped
+    lost = any(rep.get("peer_lost") and rep.get("time", 0) < stopped + HUNG_GAP_S for rep in reports)
+    return (early, gap) if gap >= HUNG_GAP_S and not lost else None
+
+
+def _fatal_failure(
+    fatal: dict[int, tuple[int, str]], where: dict[int, str], reports: list[dict[str, Any]]
+) -> dict[str, Any]:
+    rank = min(fatal)
+    number, frame = fatal[rank]
+    during = f" during {where[rank]}" if rank in where else ""
+    return {
+        "rank": rank,
+        "ranks": sorted(fatal),
+        "exit_code": -number,
+        "exception": None,
+        "classification": Classification.INFRASTRUCTURE.value,
+        "evidence": f"rank {rank} was killed by signal {number} ({signal.Signals(number).name}){during}"
+        + (f" at {frame}" if frame else ""),
+        "phases": {str(r): p for r, p in where.items()},
+        "reports": len(reports),
+    }
 
 
 def _silent_failure(
-    silent: list[int], where: dict[int, str], record: dict[str, Any], reports: list[dict[str, Any]]
+    silent: list[int],
+    where: dict[int, str],
+    record: dict[str, Any],
+    reports: list[dict[str, Any]],
+    hung_for: float | None = None,
 ) -> dict[str, Any]:
-    last = sorted(set(where.values()))
+    last = sorted({where[r] for r in silent if r in where})
     everyone = len(silent) == int(record.get("world_size", 0))
+    if hung_for is not None:
+        evidence = (
+            f"ranks {silent} hung: no sign of life for {hung_for:.1f}s before the other ranks stopped "
+            "(stopped, or deadlocked holding the GIL; never exited by themselves)"
+        )
+    elif everyone:
+        evidence = "every rank ended without a report (the whole group was killed or lost)"
+    else:
+        evidence = f"ranks {silent} ended without a report (killed, hung or lost)"
     return {
         "rank": silent[0],
         "ranks": silent,
         "exit_code": None,
         "exception": None,
         "classification": Classification.INFRASTRUCTURE.value,
-        "evidence": (
-            "every rank ended without a report (the whole group was killed or lost)"
-            if everyone
-            else f"ranks {silent} ended without a report (killed, hung or lost)"
-        )
-        + (f" during {'/'.join(last)}" if last else ""),
+        "evidence": evidence + (f" during {'/'.join(last)}" if last else ""),
         "phases": {str(r): p for r, p in where.items()},
         "reports": len(reports),
     }

@@ -1,7 +1,8 @@
 """Failure classification: what kind of failure ended a rank, and whether a restart can help.
 
-* infrastructure: a lost rank, a collective timeout or connection error, a full disk, a kill or a
-  hang. Restarting (on other hardware if needed) helps: retried up to the launcher budget.
+* infrastructure: a lost rank, a collective timeout or connection error, a full disk, an object
+  store that is unreachable, a kill or a hang. Restarting (on other hardware if needed) helps:
+  retried up to the launcher budget.
 * numerical: a NaN/Inf loss or gradient norm. A restart from the same checkpoint repeats it unless
   that checkpoint is quarantined (poison handling), so it is retried from an older step.
 * data: corrupt or missing input data. A restart does not fix it.
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from pretrain.errors import ConfigError, DataError, NonFiniteError, PreemptedError
-from tiering.errors import CheckpointError
+from tiering.errors import CheckpointError, ObjectStoreError
 
 
 class Classification(str, Enum):
@@ -88,6 +89,8 @@ def classify(exc: BaseException) -> FailureInfo:
     peer_lost = monitor_lost or any(m in lowered for m in _PEER_LOST_MARKERS)
     if isinstance(exc, dist_errors) or peer_lost or isinstance(exc, (ConnectionError, TimeoutError)):
         return FailureInfo(Classification.INFRASTRUCTURE.value, message, 1, peer_lost=True, traceback_tail=tail)
+    if isinstance(exc, ObjectStoreError):  # the object store is unreachable or refused: not our code
+        return FailureInfo(Classification.INFRASTRUCTURE.value, message, 1, traceback_tail=tail)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EROFS):
         return FailureInfo(Classification.INFRASTRUCTURE.value, message, 1, traceback_tail=tail)
     if isinstance(exc, (ConfigError, CheckpointError)):

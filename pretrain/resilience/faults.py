@@ -7,8 +7,8 @@ fire on the launcher's first attempt only (a restart must be able to get past th
 * ``hang_rank`` + ``hang_at_step`` (``hang_native``): stop making progress, in Python or in C;
 * ``raise_at_step`` (``raise_rank``): a user-code exception, deterministic on every rank or transient;
 * ``kill_during_replication_rank`` + ``kill_at_step``: SIGKILL a rank while it receives a replica;
-* ``writer_fault`` (fail, hang, slow) at ``writer_fault_at_step`` on ``writer_fault_rank``: the
-  background tier-1 writer fails, never finishes, or is slow;
+* ``writer_fault`` (fail, hang, slow, bug) at ``writer_fault_at_step`` on ``writer_fault_rank``: the
+  background tier-1 writer fails (I/O), never finishes, is slow, or raises a programming error;
 * ``slow_save_at_step`` + ``slow_save_seconds``: a slow filesystem inside the checkpointing section;
 * ``poison_restored_step``: a step that verifies but holds a NaN weight after every restore;
 * ``hold_at`` + ``hold_seconds``: ranks stay in a phase of an attempt so that a fault injected

@@ -8,8 +8,9 @@ outer layer: the hard timeout terminates the rank and ``ft_launcher`` restarts t
 
 Each incarnation creates its process group and Megatron's parallel state itself, on a fresh
 prefix of a TCP store made once per process (re-initialising torch.distributed against the same
-store keys fails); ``ResetTrainingState`` tears them down between incarnations. The threaded
-finalizer that NVRx ships needs CUDA, hence our own.
+store keys fails); ``ResetTrainingState`` tears them down between incarnations. Each incarnation
+selects the rank's GPU (``LOCAL_RANK``) before it starts NCCL. The threaded finalizer that NVRx
+ships needs CUDA, hence our own.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nvidia_resiliency_ext import inprocess
 
 from pretrain.checkpointing.reshardable import reset_writer
 from pretrain.config import Config
+from pretrain.rank_device import select_rank_device
 from pretrain.resilience.collective_abort import IncarnationConnections
 from pretrain.resilience.restarts import INCARNATION_ENV
 
@@ -129,6 +131,7 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
             log.warning("in-process restart %d: rebuilding the process group", iteration)
         store = dist.PrefixStore(f"incarnation-{iteration}", pg_store)
         connections.mark()
+        select_rank_device()  # NCCL binds to the current device: this rank's GPU, not cuda:0
         dist.init_process_group(
             backend,
             store=store,

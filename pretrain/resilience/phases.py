@@ -7,6 +7,14 @@ names the phase a silent rank died in; drills and tests read it to inject a faul
 job at a chosen phase. Writes are a few per attempt (never per step) and never raise: a record
 that cannot be written must not fail the rank.
 
+Two signs of life outlive the rank for its diagnosis. A pulse thread touches the record every
+``PULSE_S`` (its mtime, no write): a rank stopped (SIGSTOP) or deadlocked with the GIL held stops
+pulsing while its peers, blocked in a collective with the GIL released, go on until the launcher
+stops them, so the rank that hung is the one whose pulse stopped first by far (``last_alive``).
+A fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes ``fatal-rank-NNNNN-pid-P.txt``
+through :mod:`faulthandler` (the signal and the Python stack), named by the process, so that the
+next attempt can say which signal ended which rank.
+
 ``on_enter`` runs after each record is written: the fault injection's hold
 (``pretrain.resilience.faults.phase_hold``) keeps a rank in a phase so that an outside fault can
 land inside a phase that is otherwise milliseconds long.
@@ -14,7 +22,10 @@ land inside a phase that is otherwise milliseconds long.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
+import logging
 import os
 import signal
 import socket
@@ -22,10 +33,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pretrain.resilience.restarts import launcher_restart_count
 from tiering.fsio import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+PULSE_S = 0.5  # how often a live rank touches its record
+FATAL_SIGNALS = {"Segmentation fault": 11, "Bus error": 7, "Floating point exception": 8, "Aborted": 6}
 
 # In the order an attempt goes through them.
 PHASES = (
@@ -72,6 +88,7 @@ class PhaseRecord:
         self.previous: dict[str, Any] | None = None  # the last record of the process before this one
         self._read_previous = False
         self._record: dict[str, Any] = {}
+        self._fatal: IO[str] | None = None
 
     def enter(self, phase: str, **details: Any) -> None:
         assert phase in PHASES, phase
@@ -83,8 +100,9 @@ class PhaseRecord:
             # process's first record would overwrite it: carry it along, one level deep.
             self._read_previous = True
             try:
+                alive = self.path.stat().st_mtime  # its last pulse: this record replaces the file
                 old = json.loads(self.path.read_text(encoding="utf-8"))
-                self.previous = {k: v for k, v in old.items() if k != "previous"}
+                self.previous = {k: v for k, v in old.items() if k != "previous"} | {"last_alive": alive}
             except (OSError, ValueError):
                 self.previous = None
         self._record = {
@@ -105,8 +123,27 @@ class PhaseRecord:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.path, json.dumps(self._record).encode())
-        except OSError:
-            pass
+        except OSError as exc:  # a diagnosis aid only: training goes on without it
+            log.warning("%s: phase record not written (%s)", self.path, exc)
+
+    def start_pulse(self) -> None:
+        """Touch the record every ``PULSE_S`` from a daemon thread, and report a fatal signal into
+        this process's own file (see the module docstring)."""
+        fatal = fatal_report_path(self.path.parent, self.rank, os.getpid())
+        with contextlib.suppress(OSError):
+            for stale in self.path.parent.glob(f"fatal-rank-{self.rank:05d}-pid-*.txt"):
+                if stale.stat().st_size == 0:
+                    stale.unlink()  # earlier processes of this rank that ended without a fatal signal
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fatal = open(fatal, "w")  # noqa: SIM115 - kept open for the life of the process
+            faulthandler.enable(file=self._fatal, all_threads=False)
+        threading.Thread(target=self._pulse, name="phase-pulse", daemon=True).start()
+
+    def _pulse(self) -> None:
+        while True:
+            time.sleep(PULSE_S)
+            with contextlib.suppress(OSError):  # not written yet, or being replaced
+                os.utime(self.path)
 
     def mark_signal(self, name: str) -> None:
         """This rank was told to stop (the launcher stopping the group after another rank failed, or
@@ -172,8 +209,29 @@ def read_phases(run_dir: Path) -> dict[int, dict[str, Any]]:
         return out
     for path in sorted(base.glob("rank-*.json")):
         try:
+            alive = path.stat().st_mtime  # the process's last pulse (see start_pulse)
             rec = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue
-        out[int(rec["rank"])] = rec
+        out[int(rec["rank"])] = rec | {"last_alive": alive}
     return out
+
+
+def fatal_report_path(ranks: Path, rank: int, pid: int) -> Path:
+    return ranks / f"fatal-rank-{rank:05d}-pid-{pid}.txt"
+
+
+def fatal_signal(ranks: Path, rank: int, pid: int | None) -> tuple[int, str] | None:
+    """(signal number, first frame) if the process ``pid`` of ``rank`` died of a fatal signal that
+    :mod:`faulthandler` reported; None otherwise."""
+    if pid is None:
+        return None
+    try:
+        text = fatal_report_path(ranks, rank, pid).read_text(errors="replace")
+    except OSError:
+        return None
+    for name, number in FATAL_SIGNALS.items():
+        if f"Fatal Python error: {name}" in text:
+            frames = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("File ")]
+            return number, frames[0] if frames else ""
+    return None

@@ -19,6 +19,7 @@ chown -R munge:munge /etc/munge /run/munge
 chmod 0700 /etc/munge; chmod 0400 /etc/munge/munge.key; chmod 0755 /run/munge
 if ! { [ -f /run/munge/munged.pid ] && kill -0 "$(cat /run/munge/munged.pid)" 2>/dev/null; }; then
   runuser -u munge -- /usr/sbin/munged
+  touch "$STATE/munged.started"  # ours: stop.sh stops it (one already running is left alone)
 fi
 munge -n | unmunge >/dev/null
 /usr/sbin/slurmctld -f "$SLURM_CONF"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Stop what start.sh started (munged is shared by the machine and left running).
+# Stop what start.sh started: slurmd, slurmctld, and munged when start.sh started it (a munged that
+# was already running belongs to the machine and is left alone).
 STATE=${STATE:?set STATE}
-for pidfile in "$STATE/slurmd.pid" "$STATE/slurmctld.pid"; do
+pidfiles=("$STATE/slurmd.pid" "$STATE/slurmctld.pid")
+[ -f "$STATE/munged.started" ] && pidfiles+=(/run/munge/munged.pid)
+for pidfile in "${pidfiles[@]}"; do
   if [ -f "$pidfile" ]; then
     pid=$(cat "$pidfile")
     kill "$pid" 2>/dev/null

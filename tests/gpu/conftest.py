@@ -3,10 +3,11 @@
 * ``GPU_CHECK_MODE=cuda`` (default): every test skips cleanly when CUDA is absent;
   ``GPU_CHECK_MODE=cpu`` (``scripts/gpu-check.sh --cpu``, the dry run in ``make test``) runs the
   same entry points at CPU size.
-* ``GPU_CHECK_REPORT=FILE``: the report is written there at the end of the session: the versions
-  that ran (torch, CUDA, GPU, megatron-core, NVRx, Transformer Engine), and per test its outcome,
-  a one-line error if it failed, and the figures it recorded (``record`` fixture). A test that
-  fails is recorded and the others still run.
+* ``GPU_CHECK_REPORT=FILE``: the one report, rewritten after every test and at the end of the
+  session (a run cut short by its time limit keeps what ran): the versions that ran (torch,
+  CUDA, GPU, megatron-core, NVRx, Transformer Engine), and per test its outcome, a one-line error
+  if it failed, and the figures it recorded (``record`` fixture). A test that fails is recorded
+  and the others still run.
 * ``GPU_CHECK_WORKDIR=DIR``: where the runs write (default: a pytest temporary directory).
 """
 
@@ -72,9 +73,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             entry["error"] = (report.longreprtext.strip().splitlines() or ["?"])[-1][:500]
         elif report.skipped and isinstance(report.longrepr, tuple):
             entry["reason"] = str(report.longrepr[2])
+    if report.when == "teardown":
+        _write_report(None)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _write_report(int(exitstatus))
+
+
+def _write_report(exitstatus: int | None) -> None:
+    """The report so far (``exit_status`` None until the session ends)."""
     path = os.environ.get("GPU_CHECK_REPORT")
     if not path:
         return
@@ -88,6 +96,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "passed": sum(1 for r in _RESULTS.values() if r.get("outcome") == "passed"),
         "failed": sum(1 for r in _RESULTS.values() if r.get("outcome") == "failed"),
         "skipped": sum(1 for r in _RESULTS.values() if r.get("outcome") == "skipped"),
-        "exit_status": int(exitstatus),
+        "exit_status": exitstatus,
     }
-    Path(path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp.replace(path)  # a reader never sees half a report

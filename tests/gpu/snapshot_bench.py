@@ -1,10 +1,14 @@
-"""Background tier-1 save against a synchronous one, on a state the size of a ~0.8B-parameter model.
+"""Background tier-1 save against a synchronous one, on a state the size of a model of up to 0.8B parameters.
 
-``python -m tests.gpu.snapshot_bench --mode cuda|cpu --workdir DIR --out result.json``
+``python -m tests.gpu.snapshot_bench --mode cuda|cpu --workdir DIR --out result.json [--budget-s S]``
 
 The state is laid out as the DistributedOptimizer keeps it on one GPU: bf16 weights, fp32 master
 weights and two fp32 Adam moments (14 bytes a parameter: 11.2 GB at 0.8B parameters on CUDA,
-~70 MB with ``--mode cpu``). The save is the project's own (:class:`BackgroundWrite` in ``thread``
+~28 MB with ``--mode cpu``). The bench writes the state five times with fsync (one file at a
+time), so the size is planned first (:func:`plan_params`): at most half the work directory's free
+disk, at most 70 % of the GPU's free memory, and five writes within half the time budget at the
+write speed measured on that disk by a probe (the same durable write and digest); the report
+names the limit that applied. The save is the project's own (:class:`BackgroundWrite` in ``thread``
 mode with reused :class:`SnapshotBuffers`: pinned host buffers filled on a side CUDA stream, then
 serialisation + chunked digest + fsync by the writer thread). A training step is simulated by bf16 GEMMs
 (the forward/backward, which only read the state) followed by an in-place update of every state
@@ -20,8 +24,10 @@ tensor (the optimizer step, before which the trainer waits for the snapshot). Me
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -31,7 +37,6 @@ from typing import Any
 import torch
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, save_state
-from tests.gpu.driver_args import parse_driver_args
 from tiering.fsio import write_file_durably
 
 SIZES = {  # parameters, GEMM side, GEMMs per step, steps per timing window
@@ -39,15 +44,47 @@ SIZES = {  # parameters, GEMM side, GEMMs per step, steps per timing window
     "cpu": {"params": 2_000_000, "gemm": 256, "gemms": 4, "steps": 4},
 }
 CHUNKS = 32  # tensors per kind, like a model's layers
+BYTES_PER_PARAM = 14  # bf16 weight, fp32 master weight, two fp32 Adam moments
+WRITES = 5  # two background snapshots, one save during training, two synchronous saves
+PROBE_BYTES = {"cuda": 1 << 30, "cpu": 16 << 20}
+
+
+def plan_params(
+    max_params: int, free_disk: int, free_gpu: int | None, write_bytes_per_s: float, budget_s: float
+) -> tuple[int, str]:
+    """How many parameters the bench's state gets, and what limited it: ``model`` (the full
+    size), ``disk`` (half the free disk: one file at a time, and room for the run's others),
+    ``gpu_memory`` (70 % of the free GPU memory) or ``time`` (the five writes within half the
+    budget at the measured speed). Rounded down to whole chunks."""
+    limits = {
+        "model": max_params,
+        "disk": free_disk // 2 // BYTES_PER_PARAM,
+        "time": int(budget_s / 2 * write_bytes_per_s / WRITES / BYTES_PER_PARAM),
+    }
+    if free_gpu is not None:
+        limits["gpu_memory"] = int(free_gpu * 0.7) // BYTES_PER_PARAM
+    limited_by = min(limits, key=lambda k: limits[k])
+    return max(limits[limited_by] // CHUNKS * CHUNKS, CHUNKS), limited_by
+
+
+def probe_write_speed(workdir: Path, nbytes: int) -> float:
+    """Bytes per second of one durable write (serialisation, digest, fsync) of ``nbytes``."""
+    payload = {"probe": torch.zeros(nbytes // 4, dtype=torch.float32)}
+    path = workdir / "probe.pt"
+    t0 = time.perf_counter()
+    write_file_durably(path, lambda fh: save_state(payload, fh))
+    seconds = time.perf_counter() - t0
+    path.unlink(missing_ok=True)
+    return nbytes / seconds
 
 
 class State:
     """bf16 weights, fp32 master weights and Adam moments on the device, and a simulated step."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, params: int) -> None:
         size = SIZES[mode]
         self.device = torch.device("cuda", 0) if mode == "cuda" else torch.device("cpu")
-        n = size["params"] // CHUNKS
+        n = params // CHUNKS
         kinds = {
             "weight": torch.bfloat16,
             "master": torch.float32,
@@ -119,7 +156,12 @@ def background_snapshot(state: State, buffers: SnapshotBuffers, path: Path) -> d
     outcome = save.poll(block=True)
     path.unlink(missing_ok=True)
     assert outcome is not None and outcome.ok, outcome
-    return {"snapshot_seconds": snapshot, "gb_per_s": state.bytes / snapshot / 1e9, "write_seconds": outcome.seconds}
+    return {
+        "snapshot_seconds": snapshot,
+        "gb_per_s": state.bytes / snapshot / 1e9,
+        "write_seconds": outcome.seconds,
+        "copy_binding": save.copy_binding,  # on GPU: the device of the tensors, the thread and the stream
+    }
 
 
 def train_steps(state: State, save_path: Path | None, buffers: SnapshotBuffers) -> dict[str, Any]:
@@ -162,9 +204,21 @@ def sync_save(state: State, path: Path) -> float:
     return seconds
 
 
-def run(mode: str, workdir: Path) -> dict[str, Any]:
+def run(mode: str, workdir: Path, budget_s: float) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
-    state = State(mode)
+    speed = probe_write_speed(workdir, PROBE_BYTES[mode])
+    free_gpu = torch.cuda.mem_get_info(0)[0] if mode == "cuda" else None
+    free_disk = shutil.disk_usage(workdir).free
+    params, limited_by = plan_params(SIZES[mode]["params"], free_disk, free_gpu, speed, budget_s)
+    sizing = {
+        "params": params,
+        "limited_by": limited_by,
+        "free_disk_gb": round(free_disk / 1e9, 1),
+        "free_gpu_gb": round(free_gpu / 1e9, 1) if free_gpu is not None else None,
+        "probe_write_gb_per_s": round(speed / 1e9, 3),
+        "budget_s": budget_s,
+    }
+    state = State(mode, params)
     buffers = SnapshotBuffers()
     raw = raw_pinned_copy(state)
     cold = background_snapshot(state, buffers, workdir / "cold.pt")
@@ -176,6 +230,8 @@ def run(mode: str, workdir: Path) -> dict[str, Any]:
     sync_s = statistics.median(syncs)
     return {
         "mode": mode,
+        "sizing": sizing,
+        "copy_binding": warm["copy_binding"],
         "state_bytes": state.bytes,
         "state_gb": round(state.bytes / 1e9, 2),
         "raw_pinned_copy": raw,
@@ -194,8 +250,13 @@ def run(mode: str, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_driver_args(__doc__, argv)
-    result = run(args.mode, Path(args.workdir))
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--mode", choices=["cuda", "cpu"], required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--budget-s", type=float, default=120.0, help="the time the whole bench may take")
+    args = parser.parse_args(argv)
+    result = run(args.mode, Path(args.workdir), args.budget_s)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("state_gb", "blocked_ratio", "snapshot_over_raw_bandwidth")}))
     return 0
