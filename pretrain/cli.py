@@ -112,7 +112,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(
             "pretrain plan: give --mtbf-hours or --failures/--days/--cluster-gpus/--job-gpus; fix: e.g. "
-            "--failures 466 --days 54 --cluster-gpus 16384 --job-gpus 1024",
+            "--failures 466 --days 54 --cluster-gpus 16384 --job-gpus 1024 (Meta's Llama 3 fleet record)",
             file=sys.stderr,
         )
         return 2
@@ -293,9 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="Young/Daly checkpoint intervals, projected goodput and storage capacity")
     pl.add_argument("--mtbf-hours", type=float, help="the job's mean time between failures")
-    pl.add_argument("--failures", type=int, help="interruptions seen on a fleet (e.g. 466) ...")
-    pl.add_argument("--days", type=float, help="... over this many days (e.g. 54) ...")
-    pl.add_argument("--cluster-gpus", type=int, help="... on this many GPUs (e.g. 16384)")
+    pl.add_argument(
+        "--failures",
+        type=int,
+        help="job interruptions seen on a fleet (e.g. 466, Meta's Llama 3 pre-training: 'The Llama 3 Herd of "
+        "Models', 2024) ...",
+    )
+    pl.add_argument("--days", type=float, help="... over this many days (e.g. 54, the same record) ...")
+    pl.add_argument("--cluster-gpus", type=int, help="... on this many GPUs (e.g. 16384 H100s, the same record)")
     pl.add_argument("--job-gpus", type=int, help="GPUs this job uses")
     pl.add_argument(
         "--tier", action="append", metavar="NAME:SAVE_S:RESTORE_S", help="measured blocked save and restore seconds"
@@ -308,12 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--replication", type=int, default=2)
     pl.add_argument("--staging-keep", type=int, default=2)
     pl.add_argument("--s3-keep", type=int, default=5)
-    pl.add_argument("--headroom", type=float, default=0.25, help="0.2-0.3 per the seed")
+    pl.add_argument(
+        "--headroom", type=float, default=0.25, help="fraction added to every storage estimate (0.25: +25 %%)"
+    )
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)
 
     dr = sub.add_parser(
-        "drill", help="the seed's recovery drill at CPU scale; writes drill-report.{md,json} and a plot"
+        "drill",
+        help="recovery drill at CPU scale: a kill restored and compared with an uninterrupted run, a restart, "
+        "damaged checkpoints rejected, repeated failures stopping the job; writes drill-report.{md,json} and a plot",
     )
     dr.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
     dr.add_argument("--workdir", default="runs/drill")

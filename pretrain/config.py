@@ -56,8 +56,8 @@ def _positive(fail: Fail, **values: int) -> None:
 
 @dataclass
 class RunConfig:
-    id: str = "tiny-run"
-    dir: str = "runs"
+    id: str = "tiny-run"  # the run's name: directories, manifests and S3 keys are under it
+    dir: str = "runs"  # where <id>/ holds metrics.jsonl, events.jsonl, attempts/ and ranks/
 
     def check(self, fail: Fail) -> None:
         if not self.id or "/" in self.id or self.id.startswith("."):
@@ -66,25 +66,25 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None
-    ffn_hidden_size: int | None = None
-    seq_length: int = 128
+    num_layers: int = 2  # transformer layers
+    hidden_size: int = 128  # model width
+    num_attention_heads: int = 4  # must divide hidden_size
+    num_query_groups: int | None = None  # grouped-query attention groups (None: one per head)
+    ffn_hidden_size: int | None = None  # MLP width (None: Megatron's default, 4 x hidden_size)
+    seq_length: int = 128  # tokens per sample
     # None: the tokenizer's vocabulary (byte: 257); a set value must not be smaller than it.
     vocab_size: int | None = None
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    position_embedding: Literal["rope", "learned_absolute"] = "rope"
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    swiglu: bool = False
-    untie_embeddings: bool = False
-    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128  # the vocabulary is padded up to a multiple of this
+    hidden_dropout: float = 0.1  # dropout probability after attention and MLP
+    attention_dropout: float = 0.1  # dropout probability of the attention weights
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"  # rotary or learned absolute positions
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"  # layer norm kind
+    swiglu: bool = False  # SwiGLU MLP instead of GeLU
+    untie_embeddings: bool = False  # a separate output layer instead of the input embedding's weights
+    init_method_std: float = 0.02  # standard deviation of the weight initialisation
     # auto: Transformer Engine layers when TE and CUDA are present, else Megatron's local spec.
     spec: Literal["auto", "local", "te"] = "auto"
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 needs CUDA
 
     def check(self, fail: Fail) -> None:
         _positive(
@@ -110,9 +110,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    sequence_parallel: bool = False  # Megatron sequence parallelism (with tp > 1)
     # auto: Megatron's DistributedOptimizer on CUDA, a torch AdamW over DDP main_grad on CPU.
     distributed_optimizer: Literal["auto", "on", "off"] = "auto"
 
@@ -124,20 +124,20 @@ class ParallelConfig:
 class BlendPart:
     """One dataset of a blend: a prepared ``prefix`` (``.bin``/``.idx``) and its weight."""
 
-    prefix: str = ""
-    weight: float = 1.0
+    prefix: str = ""  # a prepared dataset (PREFIX.bin, PREFIX.idx)
+    weight: float = 1.0  # its share of the samples (normalised over the blend)
 
 
 @dataclass
 class DataConfig:
-    prefix: str = "runs/data/corpus"
+    prefix: str = "runs/data/corpus"  # a prepared Megatron indexed dataset (PREFIX.bin, PREFIX.idx)
     # byte: no file; huggingface: a local tokenizer.json (or a directory holding one);
     # sentencepiece: a local .model. Read offline from tokenizer_path.
     tokenizer: Literal["byte", "huggingface", "sentencepiece"] = "byte"
-    tokenizer_path: str | None = None
-    global_batch_size: int = 8
-    micro_batch_size: int = 2
-    cache_dir: str | None = None
+    tokenizer_path: str | None = None  # the tokenizer file (none for byte)
+    global_batch_size: int = 8  # samples per step over all data-parallel ranks
+    micro_batch_size: int = 2  # samples per forward/backward on one rank
+    cache_dir: str | None = None  # where Megatron caches the dataset's sample index (None: beside the data)
     # Several prefixes with weights ([{prefix: ..., weight: ...}, ...]); when set, ``prefix`` is unused.
     blend: list[BlendPart] = field(default_factory=list)
     # Megatron's train,valid,test split of each prefix (weights, normalised): "98,2,0" holds out 2 %
@@ -180,14 +180,14 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3.0e-4
-    min_lr: float = 3.0e-5
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1.0e-8
-    clip_grad: float = 1.0
+    name: Literal["adamw"] = "adamw"  # the only optimizer
+    lr: float = 3.0e-4  # peak learning rate
+    min_lr: float = 3.0e-5  # learning rate at the end of the decay
+    weight_decay: float = 0.1  # AdamW weight decay
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.95  # Adam's second-moment decay
+    adam_eps: float = 1.0e-8  # Adam's epsilon
+    clip_grad: float = 1.0  # gradient-norm clipping (0: off)
 
     def check(self, fail: Fail) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -198,9 +198,9 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
-    warmup_steps: int = 10
-    decay_steps: int | None = None
-    decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = 10  # linear warm-up from 0 to lr
+    decay_steps: int | None = None  # steps of the decay to min_lr (None: train.steps)
+    decay_style: Literal["constant", "linear", "cosine"] = "cosine"  # learning-rate decay after the warm-up
 
     def check(self, fail: Fail) -> None:
         if self.warmup_steps < 0:
@@ -209,9 +209,9 @@ class ScheduleConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
-    seed: int = 1234
-    log_interval: int = 10
+    steps: int = 60  # the step training ends at
+    seed: int = 1234  # seed of every random stream (model init, dropout, data order)
+    log_interval: int = 10  # rank 0 logs loss, grad norm, LR and tokens/s every this many steps
 
     def check(self, fail: Fail) -> None:
         _positive(fail, steps=self.steps, log_interval=self.log_interval)
@@ -221,10 +221,10 @@ class TrainConfig:
 class LocalTierConfig:
     """Tier 1: frequent per-rank saves to node-local storage (same topology to load)."""
 
-    dir: str = "runs/ckpt-local"
-    interval: int = 10
-    keep: int = 3
-    enabled: bool = True
+    dir: str = "runs/ckpt-local"  # node-local storage (NVMe); steps under <dir>/<run.id>/
+    interval: int = 10  # steps between saves
+    keep: int = 3  # newest verified steps kept per rank
+    enabled: bool = True  # save and restore tiers 1-2
 
     def check(self, fail: Fail) -> None:
         _positive(fail, interval=self.interval, keep=self.keep)
@@ -250,10 +250,10 @@ class ReplicationConfig:
 class ReshardableTierConfig:
     """Megatron distributed checkpoints (fully reshardable) on shared storage or S3 staging."""
 
-    dir: str = "runs/ckpt-reshardable"
-    interval: int = 50
-    keep: int = 2
-    enabled: bool = True
+    dir: str = "runs/ckpt-reshardable"  # shared storage or the S3 staging directory; steps under <dir>/<run.id>/
+    interval: int = 50  # steps between saves (the last step is always saved)
+    keep: int = 2  # newest verified steps kept
+    enabled: bool = True  # save and restore this tier
 
     def check(self, fail: Fail) -> None:
         _positive(fail, interval=self.interval, keep=self.keep)
@@ -266,10 +266,10 @@ class S3TierConfig:
     uri: str | None = None  # s3://bucket/prefix, or file:///path (the same protocol, no server)
     endpoint_url: str | None = None  # S3-compatible stores (Ceph RGW, MinIO, ...)
     interval: int | None = None  # steps between promotions (default: checkpoint.reshardable.interval)
-    keep: int = 3
+    keep: int = 3  # newest verified steps GC keeps
     milestone_every: int = 0  # also keep every step divisible by this (0: none)
-    concurrency: int = 8
-    multipart_chunk_mb: int = 64
+    concurrency: int = 8  # parallel requests of an upload or restore
+    multipart_chunk_mb: int = 64  # multipart upload part size (S3's minimum: 5)
     checksum_header: bool = False  # also send x-amz-checksum-sha256 (AWS S3; Ceph RGW ignores it)
     owner: str | None = None  # lease identity (default: RP_RUN_OWNER, else user@host)
     poll_s: float = 5.0  # uploader --watch polling period
@@ -297,7 +297,7 @@ class AsyncSaveConfig:
     """Background saves (YAML key ``checkpoint.async``) of tier 1 and of the reshardable staging
     tier that feeds S3: training pays for a snapshot, the step commits once it is durable."""
 
-    enabled: bool = True
+    enabled: bool = True  # background saves (False: every save blocks training)
     # thread: the writer thread copies the state into reusable host buffers (pinned on GPU)
     # while the next forward/backward runs, then writes; fork: copy-on-write snapshot by
     # os.fork (CPU only: forking a CUDA process is unsafe); auto: thread.
@@ -323,7 +323,7 @@ class IntegrityConfig:
     # copies at ~10 GB/s per core; blake3 is cryptographic (~2.3 GB/s per core). The reshardable
     # tier, which is what S3 receives, always uses blake3.
     local_hash: Literal["xxh3-128", "blake3", "sha256"] = "xxh3-128"
-    chunk_mb: int = 16  # chunk size of the digests (measured: README, "Checkpoint I/O")
+    chunk_mb: int = 16  # chunk size of the digests (measured: docs/checkpoints.md, "Checkpoint I/O")
     # Threads a writer may use to hash while it writes (and a commit to hash what no writer did):
     # the bound on the CPU a save takes from the ranks. Restores verify on every core.
     hash_threads: int = 2
@@ -368,7 +368,7 @@ class CheckpointConfig:
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)  # tier 0
     # A save that fails (writer died, disk full, ...): log it and train on, or stop the job.
     on_save_error: Literal["continue", "stop"] = "continue"
-    load: bool = True
+    load: bool = True  # restore on start (False: always start from step 0)
     # With no step that every rank can obtain, a run that has committed steps somewhere (own copies,
     # replicas, the reshardable tier, S3) refuses to start from step 0 unless this is true.
     allow_fresh_start: bool = False
@@ -395,38 +395,38 @@ class CheckpointConfig:
 class FaultInjectionConfig:
     """Deliberate faults for drills and tests; active on the launcher's first attempt only."""
 
-    kill_rank: int = -1
-    kill_at_step: int = -1
+    kill_rank: int = -1  # SIGKILL this rank at kill_at_step (-1: none)
+    kill_at_step: int = -1  # the step of kill_rank/kill_node/kill_during_replication_rank
     kill_node: str | None = None  # SIGKILL every rank on this node at kill_at_step
     # SIGKILL this rank while it receives a replica at kill_at_step (a peer dying mid-replication)
     kill_during_replication_rank: int = -1
     # This rank stops making progress (a hang) at hang_at_step; ft_launcher's heartbeat timeout must catch it
     hang_rank: int = -1
-    hang_at_step: int = -1
+    hang_at_step: int = -1  # the step hang_rank stops at
     # Apply kill_*/hang_* on every attempt, not just the launcher's first (a fault that repeats).
     every_attempt: bool = False
     # Make the save at this step take this many extra seconds (a slow filesystem), inside the
     # checkpointing section: it must not trip the step timeout.
     slow_save_at_step: int = -1
-    slow_save_seconds: float = 0.0
+    slow_save_seconds: float = 0.0  # the extra seconds of that save
     # hang_rank hangs in native code (libc pause()) instead of a Python sleep loop.
     hang_native: bool = False
     # The background writer of the tier-1 save at this step: "fail" (an I/O error: reported, training
     # goes on), "hang" (until killed), "slow" or "bug" (a TypeError: a programming error fails the attempt).
     writer_fault_at_step: int = -1
-    writer_fault: str | None = None
-    writer_fault_rank: int = 0
+    writer_fault: str | None = None  # fail, hang, slow or bug
+    writer_fault_rank: int = 0  # the rank whose writer is faulted
     # Raise a (user-code) RuntimeError at raise_at_step: on every rank and every attempt (a
     # deterministic bug), or only on raise_rank in the first attempt (a transient fault).
     raise_rank: int = -1
-    raise_at_step: int = -1
+    raise_at_step: int = -1  # the step of that RuntimeError (-1: none)
     # After restoring this step, overwrite a weight with NaN (a checkpoint that verifies but is poisoned).
     poison_restored_step: int = -1
     # Hold every rank for hold_seconds when it enters a phase of an attempt ("RESTART:PHASE", comma
     # separated, RESTART = the launcher's restart count): a window wide enough for a fault injected
     # from outside the job (tests, drills) to land inside that phase. Phases: pretrain.resilience.phases.PHASES.
     hold_at: str | None = None
-    hold_seconds: float = 0.0
+    hold_seconds: float = 0.0  # how long hold_at holds the ranks
     # The uploader's S3 client (pretrain upload): kill_after_parts=N (SIGKILL after N multipart
     # parts) or timeout_parts=N (the first N parts time out and are retried).
     s3_fault: str | None = None
@@ -442,15 +442,15 @@ class FaultInjectionConfig:
 class InprocessConfig:
     """NVRx in-process restart: a fault re-runs training in the same processes (seconds)."""
 
-    enabled: bool = False
+    enabled: bool = False  # wrap training in NVRx's inprocess.Wrapper
     store_port: int | None = None  # the Wrapper's TCP store (and +1 for process groups); default MASTER_PORT+2
     keep_host_copy: bool = True  # keep the newest tier-1 step in host memory for a disk-free restore
-    monitor_interval: float = 0.1
-    last_call_wait: float = 0.1
+    monitor_interval: float = 0.1  # seconds between the Wrapper's monitor, heartbeat and progress checks
+    last_call_wait: float = 0.1  # seconds to gather other ranks' faults after the first
     soft_timeout: float = 60.0  # no progress for this long: abort and restart in-process
     hard_timeout: float = 90.0  # still stuck: the rank is terminated (the outer launcher restarts it)
-    heartbeat_timeout: float = 30.0
-    barrier_timeout: float = 120.0
+    heartbeat_timeout: float = 30.0  # a rank silent for this long is taken for dead
+    barrier_timeout: float = 120.0  # bound on the Wrapper's barriers and its store
     # Timeout of every process group of an incarnation, Megatron's included: a backstop only, a
     # fault aborts collectives in flight at once (NCCL abort; gloo: the incarnation's connections
     # are shut down). Keep it above the longest legitimate wait (rank skew around saves).
@@ -489,7 +489,7 @@ class FaultToleranceConfig:
     # A NaN/Inf loss or grad norm fails the step; within this many steps after a restore it marks
     # the restored step as poisoned: quarantined everywhere, the next restore uses an older one.
     check_finite: bool = True
-    poison_window: int = 20
+    poison_window: int = 20  # steps after a restore in which a non-finite loss poisons the step
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
@@ -514,9 +514,9 @@ class FaultToleranceConfig:
 class MetricsConfig:
     """Prometheus exporter of rank 0 (``/metrics``); a busy port only warns, never stops training."""
 
-    enabled: bool = True
-    host: str = "0.0.0.0"
-    port: int = 9400
+    enabled: bool = True  # serve /metrics from rank 0
+    host: str = "0.0.0.0"  # address the exporter listens on
+    port: int = 9400  # its TCP port
 
     def check(self, fail: Fail) -> None:
         if not 0 < self.port < 65536:
@@ -528,8 +528,8 @@ class EvalConfig:
     """Validation loss on the valid split every ``interval`` steps (0: never), over ``iters`` global
     batches. It draws no training randomness: a run with evaluation resumes bit-exactly."""
 
-    interval: int = 0
-    iters: int = 2
+    interval: int = 0  # steps between validation runs (0: never)
+    iters: int = 2  # global batches of the valid split per validation run
 
     def check(self, fail: Fail) -> None:
         if self.interval < 0 or self.iters < 1:
@@ -540,7 +540,7 @@ class EvalConfig:
 class LoggingConfig:
     """Where rank 0 also writes TensorBoard scalars (Megatron-LM's tags); None: TensorBoard off."""
 
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = None  # TensorBoard event files of rank 0 (None: off)
 
     def check(self, fail: Fail) -> None:
         pass

@@ -99,15 +99,19 @@ def run_verb(tmp: Path, verb: str, workdir: Path, timeout: int) -> subprocess.Co
 def metrics_by_step(run_dir: Path) -> dict[int, dict[str, Any]]:
     """Per-step training metrics; a recomputed step keeps its last (post-restore) record."""
     out: dict[int, dict[str, Any]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_jsonl(run_dir / "metrics.jsonl"):
         if rec.get("kind", "train") == "train":  # validation records have their own kind
             out[rec["step"]] = rec
     return out
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (metrics.jsonl, events.jsonl, data-audit/rank-N.jsonl), in order."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def events(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    return read_jsonl(run_dir / "events.jsonl")
 
 
 def full_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,6 @@ elsewhere (test_publish, test_async_save, test_replication, test_preemption).
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pretrain.resilience.attempts import AttemptLog
 from pretrain.resilience.preemption import PreemptionWatch
 from pretrain.resilience.rank_monitor import RankMonitor
 from pretrain.runlog import RunLog
+from tests.helpers import events
 from tiering.errors import PublishError
 
 
@@ -145,8 +145,7 @@ def _train(manager: CheckpointManager, state: State, steps: range) -> None:
 
 
 def _events(tmp: Path, kind: str) -> list[dict[str, object]]:
-    rows = [json.loads(line) for line in (tmp / "t" / "events.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["event"] == kind]
+    return [r for r in events(tmp / "t") if r["event"] == kind]
 
 
 @pytest.mark.parametrize("background", [False, True])

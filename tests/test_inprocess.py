@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import events, metrics_by_step, overrides_for, torchrun
+from tests.helpers import events, metrics_by_step, overrides_for, read_jsonl, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_an_exception_on_one_rank_restarts_both_in_process(tmp_path: Path, corpu
     # Time from the fault to the next finished step, reported exactly and bounded generously
     # (the target on 2 CPU ranks is <= 2 s; 0.46 s measured). Without the collective abort the
     # healthy rank would sit in its all-reduce until the 60 s collective timeout.
-    m = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    m = read_jsonl(run_dir / "metrics.jsonl")
     first_after = next(x for x in m if x["attempt"] == restores[0]["attempt"])
     recovery = first_after["time"] - fault["time"]
     print(f"in-process recovery: fault -> next step {recovery:.2f} s")

@@ -1,5 +1,7 @@
-"""The architecture stays readable: the README's layout names every module in git, no module
-imports another in a cycle, and ``tiering`` imports nothing from ``pretrain``."""
+"""The architecture stays readable: docs/layout.md names every module in git and no module that is
+gone, the README's layout lists exactly the tracked top-level folders and the subpackages of
+``pretrain`` and ``tiering``, no module imports another in a cycle, and ``tiering`` imports nothing
+from ``pretrain``."""
 
 from __future__ import annotations
 
@@ -11,15 +13,22 @@ import sys
 from tests.helpers import REPO
 
 
+def _tracked(*paths: str) -> list[str]:
+    return subprocess.run(["git", "ls-files", *paths], capture_output=True, text=True, cwd=REPO).stdout.split()
+
+
 def _modules() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "pretrain", "tiering"], capture_output=True, text=True, cwd=REPO).stdout
-    return [p for p in out.split() if p.endswith(".py")]
+    return [p for p in _tracked("pretrain", "tiering") if p.endswith(".py")]
 
 
-def test_readme_layout_names_every_module() -> None:
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
-    named: set[str] = set()
+def _layout_entries(markdown: str) -> list[str]:
+    """Full paths the first code block after the ``Layout`` heading names: folders (ending in ``/``) and files.
+
+    A line is ``<indent><name>[, <name>...]  <description>``; a name is relative to the folders above
+    it with less indentation. Continuation lines of a description name nothing.
+    """
+    block = re.split(r"^#+ Layout.*$", markdown, maxsplit=1, flags=re.M)[1].split("```", 2)[1]
+    out: list[str] = []
     folders: list[tuple[int, str]] = []  # the folders enclosing the current line, by indentation
     for line in block.splitlines():
         m = re.match(r"^( *)(.+?)(?:\s{2,}|$)", line)
@@ -28,13 +37,37 @@ def test_readme_layout_names_every_module() -> None:
         indent, entry = len(m.group(1)), m.group(2).strip()
         while folders and folders[-1][0] >= indent:
             folders.pop()
+        parent = "".join(f for _, f in folders)
         if entry.endswith("/"):
             folders.append((indent, entry))
+            out.append(parent + entry)
             continue
-        parent = "".join(f for _, f in folders)
-        named |= {parent + name.strip() for name in entry.split(",") if name.strip().endswith(".py")}
-    missing = [p for p in _modules() if p not in named and not p.endswith("__init__.py")]
-    assert not missing, f"README layout does not name: {missing}"
+        out += [parent + name.strip() for name in entry.split(",")]
+    return out
+
+
+def test_docs_layout_names_every_module_and_no_other() -> None:
+    named = {e for e in _layout_entries((REPO / "docs" / "layout.md").read_text()) if e.endswith(".py")}
+    modules = set(_modules())
+    missing = sorted(p for p in modules - named if not p.endswith("__init__.py"))
+    assert not missing, f"docs/layout.md does not name: {missing}; fix: add a line for each"
+    gone = sorted(p for p in named - modules if p.startswith(("pretrain/", "tiering/")))
+    assert not gone, f"docs/layout.md names modules that are not in git: {gone}; fix: remove or rename them"
+
+
+def test_readme_layout_lists_the_tracked_folders_and_subpackages() -> None:
+    listed = set(_layout_entries((REPO / "README.md").read_text()))
+    tracked = _tracked()
+    folders = {p.split("/", 1)[0] + "/" for p in tracked if "/" in p}
+    subpackages = {
+        p.rsplit("/", 1)[0] + "/"
+        for p in tracked
+        if p.endswith("/__init__.py") and p.count("/") == 2 and p.startswith(("pretrain/", "tiering/"))
+    }
+    expected = folders | subpackages
+    shown = {e for e in listed if e.endswith("/") and (e.count("/") == 1 or e.startswith(("pretrain/", "tiering/")))}
+    assert not expected - shown, f"README layout does not list: {sorted(expected - shown)}; fix: add a line for each"
+    assert not shown - expected, f"README layout lists what git does not track: {sorted(shown - expected)}"
 
 
 def _module_name(path: str) -> str:
@@ -84,3 +117,12 @@ def test_tiering_imports_nothing_from_pretrain() -> None:
     for path in (REPO / "tiering").glob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) pretrain\b", text, re.M), path
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves() -> None:
+    broken = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not broken, f"links to nothing: {broken}; fix: point them at an existing file"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pretrain.commands.ft_command import ft_launcher_command
-from tests.helpers import FT_CPU, TINY, free_port, job_env, overrides_for
+from tests.helpers import FT_CPU, TINY, free_port, job_env, overrides_for, read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +67,7 @@ def test_metrics_are_served_while_training(tmp_path: Path, corpus: Path) -> None
             time.sleep(0.2)
         else:
             raise AssertionError(f"metrics never showed a reshardable save:\n{text[-2000:]}")
-        metrics = [json.loads(x) for x in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_jsonl(tmp_path / "runs" / "t" / "metrics.jsonl")
         steps = samples[("training_steps_total", ())]
         assert 40 <= steps <= metrics[-1]["step"] + 1
         assert samples[("training_step", ())] >= 40

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
-from tests.helpers import FT_CPU, PYTHON, TINY, events, job_env, overrides_for, torchrun
+from tests.helpers import FT_CPU, PYTHON, TINY, events, job_env, overrides_for, read_jsonl, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen[str], timeou
     while time.monotonic() < end:
         assert proc.poll() is None, f"job ended early ({proc.returncode})"
         if metrics.exists():
-            steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()]
+            steps = [rec["step"] for rec in read_jsonl(metrics)]
             if steps and max(steps) >= step:
                 return
         time.sleep(0.05)
@@ -53,7 +53,7 @@ def test_sigterm_publishes_an_emergency_step_and_the_next_run_resumes_there(tmp_
     assert len(preempted) == 1, (tmp_path / "job.log").read_text()[-3000:]
     step = preempted[0]["step"]
     assert preempted[0]["signal"] == "SIGTERM" and preempted[0]["published"] is True
-    last_metric = max(json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+    last_metric = max(rec["step"] for rec in read_jsonl(run_dir / "metrics.jsonl"))
     assert step == last_metric >= 13, "the emergency step is the last step every rank finished"
     for rank in (0, 1):
         steps_dir = tmp_path / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "steps"

@@ -17,7 +17,18 @@ import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
-from tests.helpers import FT_CPU, TINY, events, metrics_by_step, overrides_for, run, start_nodes, torchrun, wait_nodes
+from tests.helpers import (
+    FT_CPU,
+    TINY,
+    events,
+    metrics_by_step,
+    overrides_for,
+    read_jsonl,
+    run,
+    start_nodes,
+    torchrun,
+    wait_nodes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +76,7 @@ def _assert_bit_exact(run_dir: Path, baseline: dict[int, dict[str, Any]], from_s
 def _recovery_numbers(run_dir: Path, faults: list[Fault]) -> list[dict[str, Any]]:
     """Per outside fault: the attempt that was hit, fault -> next first step, restored step, lost steps."""
     ev = events(run_dir)
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     starts = [e for e in ev if e["event"] == "start"]
     out = []
     for fault in faults:

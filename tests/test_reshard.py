@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import full_tensors, overrides_for, probe_restore, torchrun
+from tests.helpers import full_tensors, overrides_for, probe_restore, read_jsonl, torchrun
 
 pytestmark = pytest.mark.slow
 GBS = 8
@@ -18,8 +17,7 @@ def _audit_positions(run_dir: Path) -> dict[int, list[int]]:
     """step -> global sample positions consumed (union over DP ranks; last attempt wins)."""
     per_step: dict[int, dict[int, list[int]]] = {}
     for path in sorted((run_dir / "data-audit").glob("rank-*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_jsonl(path):
             per_step.setdefault(rec["step"], {})[rec["dp_rank"]] = rec["positions"]
     return {step: sorted(p for parts in ranks.values() for p in parts) for step, ranks in per_step.items()}
 

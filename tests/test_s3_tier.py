@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.cluster.s3proxy import FaultProxy
-from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, torchrun
+from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, read_jsonl, torchrun
 from tiering.collective import SingleProcess
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
@@ -382,7 +382,7 @@ def test_tp2_checkpoint_promoted_to_s3_restores_at_tp1_dp2(
     saved = full_tensors(job / "reshard" / "t" / "steps" / "step-000000020" / "model")
     # The reference next step at TP=2, then lose every local tier.
     torchrun(job, 2, [o.replace("train.steps=20", "train.steps=21") for o in tp2])
-    loss_tp2 = [json.loads(x) for x in (job / "runs" / "t" / "metrics.jsonl").read_text().splitlines()][-1]
+    loss_tp2 = read_jsonl(job / "runs" / "t" / "metrics.jsonl")[-1]
     subprocess.run(["rm", "-rf", str(job / "ckpt"), str(job / "reshard"), str(job / "runs")], check=True)
 
     for nproc in (2, 1):
@@ -398,7 +398,7 @@ def test_tp2_checkpoint_promoted_to_s3_restores_at_tp1_dp2(
     torchrun(job, 2, [o.replace("train.steps=20", "train.steps=21") for o in tp1])
     ev = events(job / "runs" / "t")
     assert [(r["step"], r["tier"]) for r in ev if r["event"] == "restore"] == [(20, "s3")]
-    loss_tp1 = [json.loads(x) for x in (job / "runs" / "t" / "metrics.jsonl").read_text().splitlines()][-1]
+    loss_tp1 = read_jsonl(job / "runs" / "t" / "metrics.jsonl")[-1]
     assert loss_tp1["step"] == loss_tp2["step"] == 21
     assert abs(loss_tp1["loss"] - loss_tp2["loss"]) < 1e-5 * abs(loss_tp2["loss"])
 

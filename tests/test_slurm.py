@@ -23,7 +23,7 @@ from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 
 from pretrain.config import load_config
 from pretrain.errors import STOP_EXIT_CODE
-from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for
+from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for, read_jsonl
 
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
 KILL_WAIT_S = 5  # scripts/slurm/slurm.conf.in
@@ -44,7 +44,7 @@ def _job_state(job: str, env: dict[str, str]) -> tuple[str, int]:
 def _max_step(metrics: Path) -> int:
     if not metrics.exists():
         return 0
-    return max((json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()), default=0)
+    return max((rec["step"] for rec in read_jsonl(metrics)), default=0)
 
 
 def _tail(log: Path) -> str:

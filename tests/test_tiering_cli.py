@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 from tests.helpers import PYTHON, REPO
 from tests.test_publish import _publish
 from tiering.collective import SingleProcess
+from tiering.digest import HashSpec
 from tiering.layout import RunLayout
 from tiering.publish import PosixStepPublisher, manifest_for
 
@@ -73,3 +75,21 @@ def test_ls_shows_the_image_each_step_was_written_from(tmp_path: Path) -> None:
     assert rows["1"][5] == "sha256:0123456789ab" and rows["2"][5] == "unknown"
     listed = json.loads(_tiering("ls", str(tmp_path / "run"), "--json").stdout)[0]["steps"]
     assert {s["step"]: s["image"] for s in listed} == {1: digest, 2: "unknown"}
+
+
+def test_verify_and_ls_name_the_hash_each_step_was_checked_with(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path, "run")
+    for step, name in ((1, "xxh3-128"), (2, "blake3")):
+        pub = PosixStepPublisher(layout, SingleProcess(), "a1", hashing=HashSpec(name=name))
+        tmp = pub.begin(step)
+        (tmp / "trainer.pt").write_bytes(b"state" * 100)
+        pub.commit(tmp, manifest_for("run", step, 1, {"tp": 1, "pp": 1, "dp": 1}))
+    v1 = tmp_path / "v1"  # format v1 (one SHA-256 per file), written before chunked digests
+    shutil.copytree(Path(__file__).parent / "fixtures" / "manifest-v1" / "t", v1 / "t")
+    v1_step = v1 / "t" / "ranks" / "rank-00000" / "steps" / "step-000000010"
+    for step_dir, name in ((layout.step_dir(1), "xxh3-128"), (layout.step_dir(2), "blake3"), (v1_step, "sha256")):
+        out = _tiering("verify", str(step_dir))
+        assert out.returncode == 0 and f", {name} ok (" in out.stdout, out.stdout
+    listed = _tiering("ls", str(tmp_path / "run"))
+    rows = {line.split()[0]: line.split() for line in listed.stdout.splitlines() if line.strip()[:1].isdigit()}
+    assert rows["1"][-2:] == ["xxh3-128", "yes"] and rows["2"][-2:] == ["blake3", "yes"], listed.stdout

@@ -5,7 +5,6 @@ gives the same value for the same weights after a SIGKILL and resume, on a real 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from tests.helpers import (
     kill_rank_at,
     metrics_by_step,
     overrides_for,
+    read_jsonl,
     torchrun,
 )
 
@@ -35,7 +35,7 @@ COMMON = {
 
 
 def _validation(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     out: dict[int, float] = {}
     for row in rows:
         if row.get("kind") == "validation":

@@ -1,8 +1,9 @@
 """``tiering`` command line: inspect, verify, promote, restore and collect checkpoint tiers.
 
 * ``tiering ls DIR``: steps of a run directory (``<tier root>/<run id>``) or of every run under a
-  tier root: state, size, age, the container image it was written from and whether it verifies.
-  A tier-0 root (``checkpoint.memory.dir``, or one run in it) lists every rank's slots instead.
+  tier root: state, size, age, the container image it was written from, the hash its files are
+  checked with (from its manifest) and whether it verifies. A tier-0 root (``checkpoint.memory.dir``,
+  or one run in it) lists every rank's slots instead.
 * ``tiering verify STEP_DIR``: exit 0 if the step verifies, 1 (with the reason) if not (a tier-0
   slot directory is a step directory too).
 * ``tiering upload URI --run-id ID --staging-dir DIR``: promote committed staging steps to the
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from tiering.errors import AccessDenied, LeaseError, VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
+from tiering.manifest import MANIFEST_NAME, Manifest
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier, StepStatus
 from tiering.remote import RemoteTier, default_owner
@@ -62,6 +64,19 @@ def _short_image(image: str) -> str:
     digest = image.rsplit("@", 1)[-1]
     algo, _, hexpart = digest.partition(":")
     return f"{algo}:{hexpart[:12]}" if hexpart else digest[:19]
+
+
+def _hash_names(manifest: Manifest) -> str:
+    """The hashes a step's files are checked with (``blake3``, ``xxh3-128``; a v1 entry: ``sha256``)."""
+    return "+".join(sorted({f.hash or "sha256" for f in manifest.files})) or "-"
+
+
+def _hash_names_of(step_dir: Path) -> str:
+    """:func:`_hash_names` of a step directory's manifest; ``-`` when it cannot be read."""
+    try:
+        return _hash_names(Manifest.from_json((step_dir / MANIFEST_NAME).read_bytes(), step_dir))
+    except (OSError, VerificationError):
+        return "-"
 
 
 def _run_dirs(path: Path) -> list[Path]:
@@ -233,12 +248,13 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     for run, hint, rows, pending, quarantined in report:
         print(f"run {run}  (latest.json hint: {hint if hint is not None else 'none'})")
-        print(f"  {'STEP':>10}  {'STATE':<11}  {'SIZE':>10}  {'AGE':>6}  {'IMAGE':<19}  VERIFIED")
+        print(f"  {'STEP':>10}  {'STATE':<11}  {'SIZE':>10}  {'AGE':>6}  {'IMAGE':<19}  {'HASH':<8}  VERIFIED")
         for r in rows:
             state = "committed" if r.committed else "uncommitted"
             verified = "-" if r.verified is None else ("yes" if r.verified else f"NO: {r.reason}")
             size, age = _human_bytes(r.bytes), _human_age(r.age_s)
-            print(f"  {r.step:>10}  {state:<11}  {size:>10}  {age:>6}  {_short_image(r.image):<19}  {verified}")
+            image, hashes = _short_image(r.image), _hash_names_of(r.path)
+            print(f"  {r.step:>10}  {state:<11}  {size:>10}  {age:>6}  {image:<19}  {hashes:<8}  {verified}")
         for name in pending:
             print(f"  {name}  in progress (or left by a dead attempt)")
         for name in quarantined:
@@ -262,7 +278,7 @@ def _verify(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(
         f"verified: {step_dir} step {manifest.step} of run {manifest.run_id}: {len(manifest.files)} files, "
-        f"{_human_bytes(manifest.total_bytes)}, SHA-256 ok ({dt:.2f}s)"
+        f"{_human_bytes(manifest.total_bytes)}, {_hash_names(manifest)} ok ({dt:.2f}s)"
     )
     return 0
 

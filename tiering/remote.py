@@ -3,7 +3,9 @@
 Keys under ``<prefix>/<run id>/``::
 
     run.json                               the run lease: the first writer's identity (If-None-Match: *)
-    steps/step-000000123/<file>            immutable objects, each with its SHA-256 in our manifest
+    steps/step-000000123/<file>            immutable objects: chunk digests in our manifest (the hash it
+                                           names: BLAKE3 for promoted steps; v1: one SHA-256), the whole
+                                           digest tagged with its hash in the object's metadata
     steps/step-000000123/manifest.json     uploaded after every object's size was checked
     steps/step-000000123/COMMITTED         last, bound to the manifest's SHA-256
     latest.json                            a hint, replaced with If-Match so two writers cannot both win

@@ -3,7 +3,8 @@
 It never runs inside the trainer: a slow or unreachable store costs training nothing. Steps are
 uploaded oldest first, each pinned against staging retention while in flight. On start it aborts
 stale multipart uploads of its own run, so a SIGKILLed predecessor leaves no debris, and redoes
-(or finishes, keeping objects already verified by size and SHA-256) any step without COMMITTED.
+(or finishes, keeping objects whose size and whole-file digest, tagged with its hash in the
+object's metadata, already match the manifest) any step without COMMITTED.
 
 :class:`UploaderMetrics` is what it tells Prometheus (``--metrics-port``): the newest step it
 promoted and when (on start, the newest step already committed in the store and the time of its

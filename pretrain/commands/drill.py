@@ -1,4 +1,7 @@
-"""``pretrain drill``: the seed's minimal reproducible recovery experiment, automated at CPU scale.
+"""``pretrain drill``: a minimal, reproducible recovery experiment, automated at CPU scale.
+
+A training job is killed, recovers from its checkpoints and is compared, step for step, with the
+same job run without a fault; then damaged checkpoints and repeated failures are thrown at it:
 
 1. an uninterrupted baseline (fixed data snapshot, seed, world size);
 2. the same run saving every 50 steps, rank 1 SIGKILLed at step 135; rank 0 of the restarted
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from pretrain.commands.demo import FT_CONFIG
@@ -121,8 +125,13 @@ class Drill:
         return [e for e in self._jsonl(run_id, "events.jsonl") if e["event"] == "restore"]
 
     def _orphans(self, cfg: Path) -> list[str]:
-        out = subprocess.run(["pgrep", "-af", str(cfg)], capture_output=True, text=True).stdout
-        return [line for line in out.splitlines() if "pgrep" not in line]
+        """``PID command line`` of every live process started with ``cfg`` (this process excluded)."""
+        out = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])  # None: not readable, or a kernel thread
+            if str(cfg) in cmdline and proc.info["pid"] != os.getpid():
+                out.append(f"{proc.info['pid']} {cmdline}")
+        return out
 
     # -- phases ---------------------------------------------------------------------------------
     def run(self) -> DrillReport:
@@ -199,7 +208,8 @@ class Drill:
             f"rank 0 (pid {killed.get(0)}) SIGKILLed while loading step 100 in the second attempt; its record: "
             f"{second.get('evidence')}; the third attempt restored {got[-1] if got else None}",
         )
-        rep.check("no-orphans", not self._orphans(cfg2), f"leftover processes: {self._orphans(cfg2) or 'none'}")
+        orphans = self._orphans(cfg2)
+        rep.check("no-orphans", not orphans, f"leftover processes: {orphans or 'none'}")
         self._check_matches(base, restores, cfg2)
 
     def _check_matches(self, base: dict[int, dict[str, Any]], restores: list[dict[str, Any]], cfg2: Path) -> None:
@@ -343,6 +353,11 @@ def write_outputs(work: Path, report: DrillReport) -> None:
     (work / "drill-report.json").write_text(json.dumps(data, indent=2))
     lines = [
         "# Recovery drill report",
+        "",
+        "A 2-rank CPU training job under ft_launcher, compared with the same job run without faults: a rank",
+        f"killed at step {KILL_AT} and a second fault while the restore loads (recovery from step {SAVE_EVERY * 2},",
+        "loss, grad norm and LR equal to the uninterrupted run's), a restart, damaged copies of the newest step",
+        "rejected, and repeated failures stopping the job.",
         "",
         f"Result: **{'PASS' if report.passed else 'FAIL'}** ({report.wall_seconds:.0f} s wall)",
         "",

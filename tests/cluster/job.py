@@ -11,7 +11,6 @@ records and processes, never on a guessed sleep.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 from tests.cluster.netns import Cluster
-from tests.helpers import PYTHON, REPO, TINY
+from tests.helpers import PYTHON, REPO, TINY, read_jsonl
 
 FT_CLUSTER = Path(__file__).with_name("ft-cluster.yaml")
 RDZV_PORT = 29400
@@ -82,10 +81,9 @@ def start_node(
 
 def metric_rows(run_dir: Path) -> list[dict]:
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        rows = read_jsonl(run_dir / "metrics.jsonl")
     except OSError:
         return []
-    rows = [json.loads(x) for x in lines if x.strip()]
     return [r for r in rows if r.get("kind", "train") == "train"]
 
 
