@@ -346,8 +346,8 @@ class MemoryTierConfig:
     killed at any step loses at most ``interval`` steps and restores without reading a disk.
     It survives the rank process and an ft_launcher restart, not the node (docs/memory-tier.md)."""
 
-    enabled: bool = False
-    interval: int = 1
+    enabled: bool = False  # tier 0 on (opt-in: it needs slots x state size of tmpfs per rank)
+    interval: int = 1  # steps between tier-0 snapshots (1: every step, at most one step lost)
     dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
     slots: int = 2  # the newest sealed slot is never the one being written
 
