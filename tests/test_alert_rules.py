@@ -23,7 +23,7 @@ def test_rules_are_valid() -> None:
         [_promtool(), "check", "rules", "alerts.yaml"], cwd=REPO / "monitoring", capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 5 rules found" in out.stdout
+    assert "SUCCESS: 6 rules found" in out.stdout
 
 
 def test_rule_unit_tests_pass() -> None:
