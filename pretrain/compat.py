@@ -16,14 +16,21 @@ between them (``scripts/gpu-check.sh`` runs the GPU checks on the newest release
   (``core_attention_extra_kwargs``); :class:`pretrain.model.SDPACoreAttention` accepts and ignores
   them.
 
+NVRx's straggler detector (``Detector``, ``Report``) has the same code in 0.4.1 (the CPU machines)
+and 0.7 but moved from ``nvidia_resiliency_ext.straggler`` to
+``nvidia_resiliency_ext.attribution.straggler`` (NVRx commit 330d929 "Moving straggler module to
+`attribution`"); :func:`straggler_module` imports whichever exists.
+
 A getter missing from both is a one-line error naming the installed version and the fix.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import inspect
+from types import ModuleType
 from typing import Any
 
 from megatron.core import dist_checkpointing
@@ -73,3 +80,21 @@ def warm_write_results_queue() -> None:
 def reset_write_results_queue() -> None:
     """Forget the writer's Manager (after an in-process restart its process is gone)."""
     filesystem_async._results_queue = None
+
+
+STRAGGLER_MODULES = ("nvidia_resiliency_ext.attribution.straggler", "nvidia_resiliency_ext.straggler")
+
+
+@functools.cache
+def straggler_module() -> ModuleType:
+    """NVRx's straggler package (``Detector``, ``Report``, ``StragglerId``) at its 0.7 or 0.4 path."""
+    for name in STRAGGLER_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # the package exists but something it imports is missing: not a version difference
+    raise RuntimeError(
+        f"nvidia-resiliency-ext: neither {' nor '.join(STRAGGLER_MODULES)} can be imported; "
+        "fix: install nvidia-resiliency-ext >= 0.4 or extend pretrain/compat.py"
+    )

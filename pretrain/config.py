@@ -472,6 +472,27 @@ class InprocessConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """``fault_tolerance.straggler``: NVRx's straggler detector around the training step
+    (pretrain.resilience.stragglers). Every ``report_interval`` steps each rank's comm-free compute
+    time is scored against the fastest rank (relative) and its own best (individual); a rank whose
+    relative score is below ``threshold`` is reported (log line, ``straggler_score``, events.jsonl)."""
+
+    enabled: bool = True  # time each rank's forward and report the slowest ranks
+    report_interval: int = 10  # steps between reports (a collective on every rank)
+    threshold: float = 0.7  # relative score (fastest rank = 1.0) below which a rank is slow
+    patience: int = 3  # consecutive slow reports before ``action`` applies to the rank's node
+    action: str = "report"  # report | restart_without (not implemented yet: refused)
+
+    def check(self, fail: Fail) -> None:
+        _positive(fail, report_interval=self.report_interval, patience=self.patience)
+        if not 0 < self.threshold <= 1:
+            fail("threshold", f"must be in (0, 1], got {self.threshold}", "give a relative score such as 0.7")
+        if self.action != "report":
+            fail("action", f"{self.action!r} is not supported yet", "use report (restart_without is issue 31 part 2)")
+
+
+@dataclass
 class FaultToleranceConfig:
     # Send NVRx RankMonitorClient heartbeats when launched under ft_launcher.
     enabled: bool = True
@@ -492,6 +513,7 @@ class FaultToleranceConfig:
     poison_window: int = 20  # steps after a restore in which a non-finite loss poisons the step
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
     def check(self, fail: Fail) -> None:
         if self.max_consecutive_failures_without_progress < 1 or self.poison_window < 0:
@@ -508,6 +530,7 @@ class FaultToleranceConfig:
         except ValueError as exc:
             fail("preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
         self.inject.check(fail.within("inject"))
+        self.straggler.check(fail.within("straggler"))
 
 
 @dataclass

@@ -98,6 +98,12 @@ class TrainingMetrics(Collector):
         self._step = Gauge("training_step", "The step the model is at", run, registry=r)
         self._validation_loss = Gauge("validation_loss", "Validation loss at the newest evaluation", run, registry=r)
         self._validation_step = Gauge("validation_step", "The step of the newest evaluation", run, registry=r)
+        self._straggler = Gauge(
+            "straggler_score",
+            "Relative compute speed of each rank at the newest straggler report (fastest rank = 1)",
+            [*run, "rank", "node"],
+            registry=r,
+        )
         # Series every scrape shows from the start (zero until something happens).
         for metric in (self._queue, self._uncommitted, self._lost, self._steps, self._tokens, self._step):
             metric.labels(run_id)
@@ -153,6 +159,9 @@ class TrainingMetrics(Collector):
     def validated(self, step: int, loss: float) -> None:
         self._validation_loss.labels(self.run_id).set(loss)
         self._validation_step.labels(self.run_id).set(step)
+
+    def straggler_score(self, rank: int, node: str, score: float) -> None:
+        self._straggler.labels(self.run_id, str(rank), node).set(score)
 
     def saved(self, tier: str, seconds: float) -> None:
         self._last_success.labels(self.run_id, tier).set(time.time())

@@ -13,6 +13,7 @@ import datetime
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fai
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
+from pretrain.resilience.stragglers import FORWARD, STEP, StragglerWatch, sink_to
 from pretrain.runlog import append_jsonl, run_dir
 from pretrain.session import Session, build_session
 from pretrain.tensorboard_log import TensorBoardLog
@@ -153,6 +155,7 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
         checkpointer.finish()
     finally:
         loop.tensorboard.close()
+        loop.stragglers.close()
     elapsed = time.perf_counter() - t_start
     done = session.state.step - first_step + 1
     session.runlog.event("finish", step=session.state.step, steps=done, seconds=elapsed)
@@ -181,7 +184,11 @@ class TrainingLoop:
         self.restored = restored
         self.cfg = session.cfg
         self.audit = DataAudit(self.cfg, session.rank) if self.cfg.data.audit else None
-        self.forward_backward = get_forward_backward_func()
+        node = session.tiers.local.node if session.tiers.local is not None else socket.gethostname()
+        sink = sink_to(ctx.metrics, session.runlog.event)
+        self.stragglers = StragglerWatch(self.cfg.fault_tolerance.straggler, session.rank, node, sink)
+        self.forward_backward = self.stragglers.wrap(get_forward_backward_func(), STEP)
+        self.forward_step = self.stragglers.wrap(forward_step, FORWARD)
         self.first_step = session.state.step + 1
         self.window = (time.perf_counter(), 0)  # (start time, steps) of the throughput window
         self.step_started = time.perf_counter()
@@ -217,7 +224,7 @@ class TrainingLoop:
         if self.audit is not None:
             self.audit.record(step, state.sampler, state.consumed_samples)
         losses = self.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=self.forward_step,
             data_iterator=iter(microbatches),
             model=[s.ddp],
             num_microbatches=len(microbatches),
@@ -232,6 +239,7 @@ class TrainingLoop:
         state.consumed_samples += cfg.data.global_batch_size
         state.consumed_tokens += cfg.data.global_batch_size * cfg.model.seq_length
         loss, leave = reduce_losses(losses, self.ctx.watch.requested)
+        self.stragglers.after_step(step)  # a collective every report_interval steps
         self._after(step, first, loss, grad_norm)
         return leave
 

@@ -1,0 +1,215 @@
+"""Straggler detection: NVRx's ``straggler.Detector`` times each rank's compute, and every
+``fault_tolerance.straggler.report_interval`` steps rank 0 names the ranks (and nodes) that are
+slower than the fastest one.
+
+What it times: the forward of every micro-batch (section ``forward``: no collective inside it with
+tp = pp = 1, so a fast rank's wait for a slow one does not count) and the whole step (section
+``step``, reported for reference: the gradient all-reduce makes it equal on every rank). On a GPU
+host the Detector also times CUDA kernels through CUPTI and the GPU score is the one judged. On a
+CPU host CUPTI does not exist (NVRx 0.4.1 imports ``libcupti.so.12`` when the Detector starts), so
+the Detector is started with :class:`_NoKernelTiming` in CUPTI's place and the report is built from
+the section timings alone (``Detector.generate_report`` would call ``torch.cuda.synchronize``).
+
+Scores (NVRx ``Report``): relative = fastest rank's median / this rank's median (1.0 = fastest),
+individual = this rank's best median so far / its current median. A rank is slow when its relative
+score is below ``threshold``.
+
+Owns: the Detector's life in one attempt, the report's summary and the consecutive-slow counts.
+Never: sleeps, changes the training, or excludes nodes (issue 31 part 2). Called by
+``pretrain.train`` (``section``, ``wrap``, ``after_step``, ``close``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from pretrain.compat import straggler_module
+from pretrain.config import StragglerConfig
+
+log = logging.getLogger("pretrain")
+
+FORWARD = "forward"
+STEP = "step"
+
+
+class _NoKernelTiming:
+    """CUPTI's manager (``straggler.cupti.CuptiManager``) for a host without CUDA: no kernels, no
+    results. Same methods, so the Detector's section timing runs unchanged."""
+
+    def __init__(self, **_: Any) -> None:
+        self.is_initialized = False
+
+    def initialize(self) -> None:
+        self.is_initialized = True
+
+    def shutdown(self) -> None:
+        self.is_initialized = False
+
+    def start_profiling(self) -> None:
+        pass
+
+    def stop_profiling(self) -> None:
+        pass
+
+    def get_results(self) -> dict[str, Any]:
+        return {}
+
+    def reset_results(self) -> None:
+        pass
+
+
+@dataclass
+class RankScore:
+    rank: int
+    node: str
+    relative: float  # 1.0 = as fast as the fastest rank
+    individual: float  # 1.0 = as fast as this rank's own best
+
+
+@dataclass
+class StragglerReport:
+    step: int
+    source: str  # "gpu" (CUPTI kernel times) or "forward" (CPU section time)
+    scores: list[RankScore]
+    slow: list[RankScore] = field(default_factory=list)  # relative < threshold, slowest first
+    persistent: list[str] = field(default_factory=list)  # nodes slow for ``patience`` reports in a row
+
+    def line(self) -> str:
+        ranks = ", ".join(f"rank {s.rank}@{s.node} rel {s.relative:.2f} ind {s.individual:.2f}" for s in self.scores)
+        if not self.slow:
+            return f"step {self.step} | stragglers: none ({self.source}: {ranks})"
+        names = ", ".join(f"rank {s.rank} on {s.node} ({s.relative:.2f})" for s in self.slow)
+        return f"step {self.step} | stragglers: {names} | {self.source}: {ranks}"
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "source": self.source,
+            "scores": [vars(s) for s in self.scores],
+            "slow_ranks": [s.rank for s in self.slow],
+            "slow_nodes": sorted({s.node for s in self.slow}),
+            "persistent_nodes": self.persistent,
+        }
+
+
+class ScoreGauge(Protocol):
+    def straggler_score(self, rank: int, node: str, score: float) -> None: ...
+
+
+class ReportSink(Protocol):
+    """Where rank 0 sends a report: the metrics gauge and the run's events."""
+
+    def __call__(self, report: StragglerReport) -> None: ...
+
+
+def sink_to(metrics: ScoreGauge, event: Callable[..., None]) -> ReportSink:
+    """Rank 0's report to ``straggler_score{rank,node}`` and a ``straggler_report`` event."""
+
+    def send(report: StragglerReport) -> None:
+        for s in report.scores:
+            metrics.straggler_score(s.rank, s.node, s.relative)
+        event("straggler_report", **report.record())
+
+    return send
+
+
+class StragglerWatch:
+    """One attempt's detector. Every method is called on every rank (reports are collectives)."""
+
+    def __init__(self, cfg: StragglerConfig, rank: int, node: str, sink: ReportSink) -> None:
+        self.cfg, self.rank, self.node, self.sink = cfg, rank, node, sink
+        self.cuda = torch.cuda.is_available()
+        self.detector: Any = None
+        self.slow_in_a_row: dict[str, int] = {}
+        if cfg.enabled:
+            self.detector = _start_detector(node, self.cuda)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if self.detector is None:
+            yield
+            return
+        with self.detector.detection_section(name, profile_cuda=self.cuda):
+            yield
+
+    def wrap(self, fn: Callable[..., Any], name: str = FORWARD) -> Callable[..., Any]:
+        if self.detector is None:
+            return fn
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.section(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+    def after_step(self, step: int) -> StragglerReport | None:
+        """Collective every ``report_interval`` steps; rank 0 gets the summary and sends it on."""
+        if self.detector is None or step % self.cfg.report_interval:
+            return None
+        raw = _generate(self.detector, self.cuda)
+        if self.rank != 0:
+            return None
+        report = self._summarise(step, raw)
+        log.info("%s", report.line())
+        self.sink(report)
+        return report
+
+    def _summarise(self, step: int, raw: Any) -> StragglerReport:
+        source = "gpu" if self.cuda and raw.gpu_relative_perf_scores else FORWARD
+        if source == "gpu":
+            rel, ind = raw.gpu_relative_perf_scores, raw.gpu_individual_perf_scores
+        else:
+            rel = raw.section_relative_perf_scores.get(FORWARD, {})
+            ind = raw.section_individual_perf_scores.get(FORWARD, {})
+        scores = [
+            RankScore(r, raw.rank_to_node.get(r, "?"), float(rel[r]), float(ind.get(r, math.nan)))
+            for r in sorted(rel)
+            if not math.isnan(rel[r])
+        ]
+        slow = sorted((s for s in scores if s.relative < self.cfg.threshold), key=lambda s: s.relative)
+        slow_nodes = {s.node for s in slow}
+        for node in {s.node for s in scores}:
+            self.slow_in_a_row[node] = self.slow_in_a_row.get(node, 0) + 1 if node in slow_nodes else 0
+        persistent = sorted(n for n, c in self.slow_in_a_row.items() if c >= self.cfg.patience)
+        return StragglerReport(step, source, scores, slow, persistent)
+
+    def close(self) -> None:
+        if self.detector is not None:
+            self.detector.shutdown()
+            self.detector = None
+
+
+def _start_detector(node: str, cuda: bool) -> Any:
+    """``Detector.initialize`` with reports gathered on rank 0; without CUDA, CUPTI's manager is
+    replaced for the duration of the call (it is only constructed there)."""
+    module = straggler_module()
+    detector = module.Detector
+    if detector.initialized:  # an in-process restart: the previous attempt's detector
+        detector.shutdown()
+    kwargs = {"gather_on_rank0": True, "report_time_interval": float("inf"), "node_name": node}
+    if cuda:
+        detector.initialize(**kwargs)
+        return detector
+    impl = module.straggler
+    cupti, impl.CuptiManager = impl.CuptiManager, _NoKernelTiming
+    try:
+        detector.initialize(**kwargs)
+    finally:
+        impl.CuptiManager = cupti
+    return detector
+
+
+def _generate(detector: Any, cuda: bool) -> Any:
+    """``Detector.generate_report`` (GPU), or the same steps without its CUDA synchronize (CPU)."""
+    if cuda:
+        return detector.generate_report()
+    report = detector.reporter.generate_report(detector._get_section_summaries(), {})
+    detector._reset_sections_elapseds()
+    return report
