@@ -32,7 +32,7 @@ COMMAND = "python -m pretrain.config_reference"
 HEADER = f"""# Configuration reference
 
 Every key of a run's YAML config (`configs/*.yaml`, `--set section.key=value`), its type, its
-default and what it means. Generated from the dataclasses in `pretrain/config.py` and their field
+default and what it means. Generated from the dataclasses in `pretrain/config/` and their field
 comments by `{COMMAND}`; `tests/test_config_reference.py` fails when this file
 and the code differ. Unknown keys, wrong types and impossible combinations are refused before any
 process starts, in one line naming the file, the key and the fix (README, "Configuration").
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""
         if current != text:
-            print(f"{args.output}: out of date with pretrain/config.py; fix: run `{COMMAND}`", file=sys.stderr)
+            print(f"{args.output}: out of date with pretrain/config/; fix: run `{COMMAND}`", file=sys.stderr)
             return 1
         return 0
     args.output.write_text(text)

@@ -57,7 +57,7 @@ class SDPACoreAttention(MegatronModule):
         attn_mask_type=None,
         attention_bias=None,
         packed_seq_params=None,
-        **_extra,  # megatron-core 0.19 passes core_attention_extra_kwargs (see pretrain/compat.py)
+        **_extra,  # megatron-core 0.19 passes core_attention_extra_kwargs (see pretrain/platform/compat.py)
     ):  # noqa: ANN001 - Megatron's call signature
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences and attention bias need the TE spec")

@@ -23,12 +23,12 @@ from pretrain.checkpointing.tiered import TieredCheckpointer
 from pretrain.config import Config, data_parallel_size
 from pretrain.data.dataset import GlobalBatchSampler, build_datasets, snapshot_id
 from pretrain.model import build_model, resolve_spec_name, transformer_config
+from pretrain.observability.runlog import RunLog
 from pretrain.optim import build_optimizer, build_scheduler, uses_distributed_optimizer
 from pretrain.rank_state import seed_everything
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.rank_monitor import RankMonitor
 from pretrain.resilience.restarts import incarnation, launcher_restart_count
-from pretrain.runlog import RunLog
 from tiering.collective import TorchCollective
 
 log = logging.getLogger("pretrain")

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from pretrain import cpu_shims
 from pretrain.checkpointing.manager import CheckpointManager
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.reshardable import wait_for_writer_warmup
@@ -33,15 +32,16 @@ from pretrain.config import Config, validate
 from pretrain.errors import JobStopped, NonFiniteError
 from pretrain.evaluation import Evaluator
 from pretrain.forward import forward_step, reduce_losses
-from pretrain.rank_device import select_rank_device
+from pretrain.observability.runlog import append_jsonl, run_dir
+from pretrain.observability.tensorboard_log import TensorBoardLog
+from pretrain.platform import cpu_shims
+from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.stragglers import FORWARD, STEP, StragglerWatch, sink_to
-from pretrain.runlog import append_jsonl, run_dir
 from pretrain.session import Session, build_session
-from pretrain.tensorboard_log import TensorBoardLog
 from tiering.collective import TorchCollective
 
 log = logging.getLogger("pretrain")

@@ -11,9 +11,9 @@ import sys
 
 import torch.distributed as dist
 
-from pretrain import cpu_shims
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.config import load_config
+from pretrain.platform import cpu_shims
 from pretrain.session import build_session
 from tiering.collective import TorchCollective
 

@@ -23,11 +23,11 @@ from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.config import load_config
 from pretrain.errors import PreemptedError
-from pretrain.metrics import TrainingMetrics
+from pretrain.observability.metrics import TrainingMetrics
+from pretrain.observability.runlog import RunLog
 from pretrain.resilience.attempts import AttemptLog
 from pretrain.resilience.preemption import PreemptionWatch
 from pretrain.resilience.rank_monitor import RankMonitor
-from pretrain.runlog import RunLog
 from tests.helpers import events
 from tiering.errors import PublishError
 

@@ -1,4 +1,4 @@
-"""pretrain/compat.py on the installed megatron-core (0.16.1 here; the newest release is checked on
+"""pretrain/platform/compat.py on the installed megatron-core (0.16.1 here; the newest release is checked on
 the GPU machine by scripts/gpu-check.sh): the background dist-checkpoint save runs on Megatron's
 own queue, and the writer's Manager starts through whichever getter the version has."""
 
@@ -11,7 +11,7 @@ import pytest
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from pretrain.compat import (
+from pretrain.platform.compat import (
     accepts_keyword,
     async_save_kwargs,
     megatron_core_version,

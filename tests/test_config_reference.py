@@ -12,7 +12,7 @@ from pretrain.config_reference import COMMAND, REFERENCE, field_comments, refere
 
 def test_the_configuration_reference_equals_the_code() -> None:
     assert REFERENCE.read_text() == reference(), (
-        f"{REFERENCE.name} differs from pretrain/config.py; fix: run `{COMMAND}` and commit docs/configuration.md"
+        f"{REFERENCE.name} differs from pretrain/config/; fix: run `{COMMAND}` and commit docs/configuration.md"
     )
 
 

@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, save_state
 from pretrain.checkpointing.reporting import failure_reason
-from pretrain.metrics import TrainingMetrics
+from pretrain.observability.metrics import TrainingMetrics
 from tests.helpers import events, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.errors import DiskFull, PublishError

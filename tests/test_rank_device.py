@@ -1,4 +1,4 @@
-"""Which GPU a rank selects before NCCL starts (``pretrain.rank_device``).
+"""Which GPU a rank selects before NCCL starts (``pretrain.platform.rank_device``).
 
 The choice is a pure function of ``LOCAL_RANK`` and the number of visible GPUs, tested here
 with recorded counts; ``torch.cuda.set_device`` itself needs a GPU (the GPU check runs one rank
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pretrain.rank_device import rank_device_index, select_rank_device
+from pretrain.platform.rank_device import rank_device_index, select_rank_device
 
 
 def test_each_local_rank_selects_its_own_gpu() -> None:

@@ -52,7 +52,10 @@ def _framework(image_digest: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "IMAGE_DIGEST"}
     if image_digest is not None:
         env["IMAGE_DIGEST"] = image_digest
-    code = "import json; from pretrain.versions import framework_versions; print(json.dumps(framework_versions()))"
+    code = (
+        "import json; from pretrain.platform.versions import framework_versions; "
+        "print(json.dumps(framework_versions()))"
+    )
     out = subprocess.run([PYTHON, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

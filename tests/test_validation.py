@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
-from pretrain.metrics import TrainingMetrics
+from pretrain.observability.metrics import TrainingMetrics
 from tests.helpers import (
     TINY,
     blend_override,

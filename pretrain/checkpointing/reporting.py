@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pretrain.checkpointing.memory_tier import TierDisabled
 from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tier import TierSet
-from pretrain.metrics import TrainingMetrics
+from pretrain.observability.metrics import TrainingMetrics
+from pretrain.observability.runlog import RunLog
 from pretrain.resilience.attempts import AttemptLog
-from pretrain.runlog import RunLog
 from tiering.errors import DiskFull
 
 log = logging.getLogger("pretrain")

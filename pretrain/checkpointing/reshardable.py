@@ -37,8 +37,8 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.compat import async_save_kwargs, reset_write_results_queue, warm_write_results_queue
 from pretrain.config import Config
+from pretrain.platform.compat import async_save_kwargs, reset_write_results_queue, warm_write_results_queue
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective

@@ -15,8 +15,8 @@ from pretrain.data.dataset import GlobalBatchSampler
 from pretrain.data.tokenizer import tokenizer_identity
 from pretrain.errors import IncompatibleCheckpoint
 from pretrain.optim import TrainOptimizer
+from pretrain.platform.versions import code_version, framework_versions
 from pretrain.rank_state import seed_everything
-from pretrain.versions import code_version, framework_versions
 from tiering.manifest import Manifest
 from tiering.publish import manifest_for
 

@@ -20,8 +20,8 @@ from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.config import Config, s3_owner
 from pretrain.errors import FreshStartRefused
+from pretrain.observability.runlog import run_dir
 from pretrain.resilience.phases import PhaseRecord
-from pretrain.runlog import run_dir
 from tiering.collective import Collective
 from tiering.errors import LeaseError
 from tiering.fsio import atomic_write_bytes

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from pretrain import cpu_shims
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints, wait_for_writer_warmup
 from pretrain.config import Config, validate
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
+from pretrain.platform import cpu_shims
 from pretrain.session import Session, build_session
 from tiering.collective import TorchCollective
 from tiering.errors import VerificationError

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from pretrain.config import check_world_size, load_config
 from pretrain.errors import ConfigError, LaunchError
+from pretrain.observability.runlog import run_dir
 from pretrain.resilience.job_policy import refuse_if_stopped
-from pretrain.runlog import run_dir
 
 
 @dataclass

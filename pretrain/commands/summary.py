@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.runlog import read_jsonl
+from pretrain.observability.runlog import read_jsonl
 
 
 @dataclass

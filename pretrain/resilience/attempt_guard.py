@@ -22,7 +22,8 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.errors import JobStopped, PreemptedError
-from pretrain.metrics import MetricsServer, TrainingMetrics
+from pretrain.observability.metrics import MetricsServer, TrainingMetrics
+from pretrain.observability.runlog import run_dir
 from pretrain.resilience.attempts import AttemptLog, record_failure
 from pretrain.resilience.failures import classify
 from pretrain.resilience.job_policy import (
@@ -35,7 +36,6 @@ from pretrain.resilience.job_policy import (
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.preemption import PreemptionWatch, parse_signals
 from pretrain.resilience.restarts import launcher_restart_count, restart_counters
-from pretrain.runlog import run_dir
 from tiering.collective import Collective
 
 log = logging.getLogger("pretrain")

@@ -30,7 +30,7 @@ from nvidia_resiliency_ext import inprocess
 
 from pretrain.checkpointing.reshardable import reset_writer
 from pretrain.config import Config
-from pretrain.rank_device import select_rank_device
+from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.collective_abort import IncarnationConnections
 from pretrain.resilience.restarts import INCARNATION_ENV
 

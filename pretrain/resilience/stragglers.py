@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pretrain.compat import straggler_module
 from pretrain.config import StragglerConfig
+from pretrain.platform.compat import straggler_module
 
 log = logging.getLogger("pretrain")
 

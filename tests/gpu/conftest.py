@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain.versions import framework_versions
+from pretrain.platform.versions import framework_versions
 
 MODE = os.environ.get("GPU_CHECK_MODE", "cuda")
 _RESULTS: dict[str, dict[str, Any]] = {}

@@ -30,8 +30,8 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from pretrain import cpu_shims
 from pretrain.model import build_model, transformer_config
+from pretrain.platform import cpu_shims
 from pretrain.rank_state import seed_everything
 from tests.gpu.train_driver import config
 

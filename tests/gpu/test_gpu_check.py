@@ -23,8 +23,8 @@ from nvidia_resiliency_ext import inprocess
 
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.commands.launch import LaunchPlan, check_flags, ft_launcher_argv
-from pretrain.compat import async_save_kwargs, megatron_core_version, write_results_queue_getter
-from pretrain.versions import framework_versions
+from pretrain.platform.compat import async_save_kwargs, megatron_core_version, write_results_queue_getter
+from pretrain.platform.versions import framework_versions
 from tests.gpu.conftest import versions
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def trained(mode: str, workdir: Path) -> dict[str, Any]:
 
 
 def test_versions_that_ran(mode: str, record: dict[str, Any]) -> None:
-    """torch, CUDA, megatron-core, NVRx, TE, and which side of pretrain/compat.py is in use."""
+    """torch, CUDA, megatron-core, NVRx, TE, and which side of pretrain/platform/compat.py is in use."""
     record.update(versions())
     record["async_save_kwargs"] = async_save_kwargs()
     record["write_results_queue"] = write_results_queue_getter().__name__

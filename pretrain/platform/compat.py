@@ -68,7 +68,8 @@ def write_results_queue_getter(module: Any = filesystem_async) -> Any:
             return getter
     raise RuntimeError(
         f"megatron-core {megatron_core_version()}: {module.__name__} has neither get_write_results_queue nor "
-        "_get_write_results_queue; fix: install a megatron-core between 0.16.1 and 0.19.x or extend pretrain/compat.py"
+        "_get_write_results_queue; fix: install a megatron-core between 0.16.1 and 0.19.x "
+        "or extend pretrain/platform/compat.py"
     )
 
 
@@ -96,5 +97,5 @@ def straggler_module() -> ModuleType:
                 raise  # the package exists but something it imports is missing: not a version difference
     raise RuntimeError(
         f"nvidia-resiliency-ext: neither {' nor '.join(STRAGGLER_MODULES)} can be imported; "
-        "fix: install nvidia-resiliency-ext >= 0.4 or extend pretrain/compat.py"
+        "fix: install nvidia-resiliency-ext >= 0.4 or extend pretrain/platform/compat.py"
     )

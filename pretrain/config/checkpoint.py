@@ -1,0 +1,184 @@
+"""Schema of ``checkpoint``: every tier (local, replication, reshardable, S3), background saves,
+integrity, and what a failed save does. Pure data and its own checks: no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pretrain.config.fail import Fail, positive
+from tiering.objectstore import split_uri
+
+
+@dataclass
+class LocalTierConfig:
+    """Tier 1: frequent per-rank saves to node-local storage (same topology to load)."""
+
+    dir: str = "runs/ckpt-local"  # node-local storage (NVMe); steps under <dir>/<run.id>/
+    interval: int = 10  # steps between saves
+    keep: int = 3  # newest verified steps kept per rank
+    enabled: bool = True  # save and restore tiers 1-2
+
+    def check(self, fail: Fail) -> None:
+        positive(fail, interval=self.interval, keep=self.keep)
+
+
+@dataclass
+class ReplicationConfig:
+    """Tier 2: each local step copied to peers in other failure domains."""
+
+    factor: int = 2  # copies of each rank's step, its own included; 1 disables replication
+    domains: dict[str, str] = field(default_factory=dict)  # node name -> failure domain
+    allow_same_domain: bool = False  # single-node development only
+    node: str | None = None  # this rank's node name (default: NODE_NAME, SLURMD_NODENAME, hostname)
+    timeout_s: float = 60.0  # bound on every replication transfer
+
+    def check(self, fail: Fail) -> None:
+        positive(fail, factor=self.factor)
+        if self.timeout_s <= 0:
+            fail("timeout_s", "must be > 0", "give a bound in seconds")
+
+
+@dataclass
+class ReshardableTierConfig:
+    """Megatron distributed checkpoints (fully reshardable) on shared storage or S3 staging."""
+
+    dir: str = "runs/ckpt-reshardable"  # shared storage or the S3 staging directory; steps under <dir>/<run.id>/
+    interval: int = 50  # steps between saves (the last step is always saved)
+    keep: int = 2  # newest verified steps kept
+    enabled: bool = True  # save and restore this tier
+
+    def check(self, fail: Fail) -> None:
+        positive(fail, interval=self.interval, keep=self.keep)
+
+
+@dataclass
+class S3TierConfig:
+    """Tier 3: reshardable steps promoted to an object store by ``pretrain upload`` (``tiering upload``)."""
+
+    uri: str | None = None  # s3://bucket/prefix, or file:///path (the same protocol, no server)
+    endpoint_url: str | None = None  # S3-compatible stores (Ceph RGW, MinIO, ...)
+    interval: int | None = None  # steps between promotions (default: checkpoint.reshardable.interval)
+    keep: int = 3  # newest verified steps GC keeps
+    milestone_every: int = 0  # also keep every step divisible by this (0: none)
+    concurrency: int = 8  # parallel requests of an upload or restore
+    multipart_chunk_mb: int = 64  # multipart upload part size (S3's minimum: 5)
+    checksum_header: bool = False  # also send x-amz-checksum-sha256 (AWS S3; Ceph RGW ignores it)
+    owner: str | None = None  # lease identity (default: RP_RUN_OWNER, else user@host)
+    poll_s: float = 5.0  # uploader --watch polling period
+    retry_max_s: float = 60.0  # uploader backoff cap when the store is unreachable
+
+    def check(self, fail: Fail) -> None:
+        if self.uri is None:
+            return  # the tier is off: its numbers are unused
+        try:
+            split_uri(self.uri)
+        except ValueError as exc:
+            fail("uri", str(exc), "use s3://bucket/prefix or file:///absolute/path")
+        if self.interval is not None and self.interval < 1:
+            fail("interval", "must be >= 1", "set a positive interval")
+        if self.keep < 1 or self.concurrency < 1 or self.multipart_chunk_mb < 5:
+            fail(
+                "keep",
+                "keep and concurrency must be >= 1, multipart_chunk_mb >= 5 (S3's minimum)",
+                "fix the S3 tier numbers",
+            )
+
+
+@dataclass
+class AsyncSaveConfig:
+    """Background saves (YAML key ``checkpoint.async``) of tier 1 and of the reshardable staging
+    tier that feeds S3: training pays for a snapshot, the step commits once it is durable."""
+
+    enabled: bool = True  # background saves (False: every save blocks training)
+    # thread: the writer thread copies the state into reusable host buffers (pinned on GPU)
+    # while the next forward/backward runs, then writes; fork: copy-on-write snapshot by
+    # os.fork (CPU only: forking a CUDA process is unsafe); auto: thread.
+    mode: Literal["auto", "fork", "thread"] = "auto"
+    max_in_flight: int = 1  # per tier
+    # A save due while one is in flight: wait for it, or skip this one (logged and counted).
+    when_busy: Literal["wait", "skip"] = "wait"
+
+    def check(self, fail: Fail) -> None:
+        if self.max_in_flight != 1:
+            fail(
+                "max_in_flight",
+                f"{self.max_in_flight} is not supported",
+                "use 1 (one tier-1 save in flight; a second one would double the snapshot memory)",
+            )
+
+
+@dataclass
+class IntegrityConfig:
+    """How checkpoint bytes are hashed (manifest format v2: one digest per chunk of every file)."""
+
+    # Tiers 1-2 (node-local saves and peer replicas): xxh3-128 detects bit rot, torn and wrong
+    # copies at ~10 GB/s per core; blake3 is cryptographic (~2.3 GB/s per core). The reshardable
+    # tier, which is what S3 receives, always uses blake3.
+    local_hash: Literal["xxh3-128", "blake3", "sha256"] = "xxh3-128"
+    chunk_mb: int = 16  # chunk size of the digests (measured: docs/checkpoints.md, "Checkpoint I/O")
+    # Threads a writer may use to hash while it writes (and a commit to hash what no writer did):
+    # the bound on the CPU a save takes from the ranks. Restores verify on every core.
+    hash_threads: int = 2
+
+    def check(self, fail: Fail) -> None:
+        positive(fail, chunk_mb=self.chunk_mb, hash_threads=self.hash_threads)
+        if self.chunk_mb > 1024:
+            # A replica travels in pieces of whole chunks through a few buffers of that size.
+            fail("chunk_mb", f"must be <= 1024, got {self.chunk_mb}", "use the default 16 (4-64 measured)")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_mb * 1024 * 1024
+
+
+@dataclass
+class MemoryTierConfig:
+    """Tier 0 (YAML key ``checkpoint.memory``): each rank's newest state in a memory-backed file
+    (tmpfs), written every ``interval`` steps into one of ``slots`` alternating slots, so a rank
+    killed at any step loses at most ``interval`` steps and restores without reading a disk.
+    It survives the rank process and an ft_launcher restart, not the node (docs/memory-tier.md)."""
+
+    enabled: bool = False  # tier 0 on (opt-in: it needs slots x state size of tmpfs per rank)
+    interval: int = 1  # steps between tier-0 snapshots (1: every step, at most one step lost)
+    dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
+    slots: int = 2  # the newest sealed slot is never the one being written
+
+    def check(self, fail: Fail) -> None:
+        positive(fail, interval=self.interval)
+        if self.slots < 2:
+            fail("slots", f"must be >= 2, got {self.slots}", "use 2 (a slot being written is not loadable)")
+
+
+@dataclass
+class CheckpointConfig:
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    reshardable: ReshardableTierConfig = field(default_factory=ReshardableTierConfig)
+    s3: S3TierConfig = field(default_factory=S3TierConfig)
+    async_: AsyncSaveConfig = field(default_factory=AsyncSaveConfig)  # YAML: async
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)  # tier 0
+    # A save that fails (writer died, disk full, ...): log it and train on, or stop the job.
+    on_save_error: Literal["continue", "stop"] = "continue"
+    load: bool = True  # restore on start (False: always start from step 0)
+    # With no step that every rank can obtain, a run that has committed steps somewhere (own copies,
+    # replicas, the reshardable tier, S3) refuses to start from step 0 unless this is true.
+    allow_fresh_start: bool = False
+
+    def check(self, fail: Fail) -> None:
+        self.local.check(fail.within("local"))
+        self.replication.check(fail.within("replication"))
+        self.reshardable.check(fail.within("reshardable"))
+        self.s3.check(fail.within("s3"))
+        self.async_.check(fail.within("async"))
+        self.integrity.check(fail.within("integrity"))
+        self.memory.check(fail.within("memory"))
+        if self.s3.uri is not None and not self.reshardable.enabled:
+            fail(
+                "s3.uri",
+                "the S3 tier promotes reshardable steps, but that tier is disabled",
+                "enable checkpoint.reshardable (it is the staging area)",
+            )
+        if not self.local.enabled and not self.reshardable.enabled:
+            fail("local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")

@@ -1,0 +1,152 @@
+"""Schema of ``fault_tolerance``: heartbeats and sections, preemption, stops, in-process restart,
+and the deliberate faults (``inject``) drills and tests use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pretrain.config.fail import Fail, positive
+from pretrain.resilience.phases import parse_holds
+from pretrain.resilience.preemption import parse_signals
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Deliberate faults for drills and tests; active on the launcher's first attempt only."""
+
+    kill_rank: int = -1  # SIGKILL this rank at kill_at_step (-1: none)
+    kill_at_step: int = -1  # the step of kill_rank/kill_node/kill_during_replication_rank
+    kill_node: str | None = None  # SIGKILL every rank on this node at kill_at_step
+    # SIGKILL this rank while it receives a replica at kill_at_step (a peer dying mid-replication)
+    kill_during_replication_rank: int = -1
+    # This rank stops making progress (a hang) at hang_at_step; ft_launcher's heartbeat timeout must catch it
+    hang_rank: int = -1
+    hang_at_step: int = -1  # the step hang_rank stops at
+    # Apply kill_*/hang_* on every attempt, not just the launcher's first (a fault that repeats).
+    every_attempt: bool = False
+    # Make the save at this step take this many extra seconds (a slow filesystem), inside the
+    # checkpointing section: it must not trip the step timeout.
+    slow_save_at_step: int = -1
+    slow_save_seconds: float = 0.0  # the extra seconds of that save
+    # hang_rank hangs in native code (libc pause()) instead of a Python sleep loop.
+    hang_native: bool = False
+    # The background writer of the tier-1 save at this step: "fail" (an I/O error: reported, training
+    # goes on), "hang" (until killed), "slow" or "bug" (a TypeError: a programming error fails the attempt).
+    writer_fault_at_step: int = -1
+    writer_fault: str | None = None  # fail, hang, slow or bug
+    writer_fault_rank: int = 0  # the rank whose writer is faulted
+    # Raise a (user-code) RuntimeError at raise_at_step: on every rank and every attempt (a
+    # deterministic bug), or only on raise_rank in the first attempt (a transient fault).
+    raise_rank: int = -1
+    raise_at_step: int = -1  # the step of that RuntimeError (-1: none)
+    # After restoring this step, overwrite a weight with NaN (a checkpoint that verifies but is poisoned).
+    poison_restored_step: int = -1
+    # Hold every rank for hold_seconds when it enters a phase of an attempt ("RESTART:PHASE", comma
+    # separated, RESTART = the launcher's restart count): a window wide enough for a fault injected
+    # from outside the job (tests, drills) to land inside that phase. Phases: pretrain.resilience.phases.PHASES.
+    hold_at: str | None = None
+    hold_seconds: float = 0.0  # how long hold_at holds the ranks
+    # The uploader's S3 client (pretrain upload): kill_after_parts=N (SIGKILL after N multipart
+    # parts) or timeout_parts=N (the first N parts time out and are retried).
+    s3_fault: str | None = None
+
+    def check(self, fail: Fail) -> None:
+        try:
+            parse_holds(self.hold_at)
+        except ValueError as exc:
+            fail("hold_at", str(exc), "write RESTART:PHASE pairs, e.g. 1:verify,2:load")
+
+
+@dataclass
+class InprocessConfig:
+    """NVRx in-process restart: a fault re-runs training in the same processes (seconds)."""
+
+    enabled: bool = False  # wrap training in NVRx's inprocess.Wrapper
+    store_port: int | None = None  # the Wrapper's TCP store (and +1 for process groups); default MASTER_PORT+2
+    keep_host_copy: bool = True  # keep the newest tier-1 step in host memory for a disk-free restore
+    monitor_interval: float = 0.1  # seconds between the Wrapper's monitor, heartbeat and progress checks
+    last_call_wait: float = 0.1  # seconds to gather other ranks' faults after the first
+    soft_timeout: float = 60.0  # no progress for this long: abort and restart in-process
+    hard_timeout: float = 90.0  # still stuck: the rank is terminated (the outer launcher restarts it)
+    heartbeat_timeout: float = 30.0  # a rank silent for this long is taken for dead
+    barrier_timeout: float = 120.0  # bound on the Wrapper's barriers and its store
+    # Timeout of every process group of an incarnation, Megatron's included: a backstop only, a
+    # fault aborts collectives in flight at once (NCCL abort; gloo: the incarnation's connections
+    # are shut down). Keep it above the longest legitimate wait (rank skew around saves).
+    collective_timeout: float = 60.0
+
+    def check(self, fail: Fail) -> None:
+        ordered = (
+            0 < self.monitor_interval < self.soft_timeout < self.hard_timeout < self.barrier_timeout
+            and self.heartbeat_timeout < self.barrier_timeout
+            and 0 < self.collective_timeout < self.hard_timeout
+        )
+        if self.enabled and not ordered:
+            fail(
+                "",
+                "timeouts must satisfy monitor_interval < soft_timeout < hard_timeout < barrier_timeout, "
+                "heartbeat_timeout < barrier_timeout and 0 < collective_timeout < hard_timeout",
+                "order the timeouts",
+            )
+
+
+@dataclass
+class StragglerConfig:
+    """``fault_tolerance.straggler``: NVRx's straggler detector around the training step
+    (pretrain.resilience.stragglers). Every ``report_interval`` steps each rank's comm-free compute
+    time is scored against the fastest rank (relative) and its own best (individual); a rank whose
+    relative score is below ``threshold`` is reported (log line, ``straggler_score``, events.jsonl)."""
+
+    enabled: bool = True  # time each rank's forward and report the slowest ranks
+    report_interval: int = 10  # steps between reports (a collective on every rank)
+    threshold: float = 0.7  # relative score (fastest rank = 1.0) below which a rank is slow
+    patience: int = 3  # consecutive slow reports before ``action`` applies to the rank's node
+    action: str = "report"  # report | restart_without (not implemented yet: refused)
+
+    def check(self, fail: Fail) -> None:
+        positive(fail, report_interval=self.report_interval, patience=self.patience)
+        if not 0 < self.threshold <= 1:
+            fail("threshold", f"must be in (0, 1], got {self.threshold}", "give a relative score such as 0.7")
+        if self.action != "report":
+            fail("action", f"{self.action!r} is not supported yet", "use report (restart_without is issue 31 part 2)")
+
+
+@dataclass
+class FaultToleranceConfig:
+    # Send NVRx RankMonitorClient heartbeats when launched under ft_launcher.
+    enabled: bool = True
+    # Signals that mean "save and leave": SIGTERM (Kubernetes, ft_launcher shutdown), SIGUSR1 (Slurm --signal).
+    preemption_signals: str = "SIGTERM,SIGUSR1"
+    # Seconds from the signal to a published emergency tier-1 step; past it the rank exits without one.
+    # Keep it below the grace period (terminationGracePeriodSeconds, Slurm KillWait, --workers-stop-timeout).
+    emergency_save_timeout: float = 30.0
+    # Stop the job (attempts/STOP.json) after this many attempts in a row that failed without
+    # committing a step newer than the one they restored.
+    max_consecutive_failures_without_progress: int = 3
+    # Steps after which ft_launcher's heartbeat/section timeouts are measured and set (then saved
+    # in checkpoints); 0 keeps the configured ones.
+    calculate_timeouts_after: int = 50
+    # A NaN/Inf loss or grad norm fails the step; within this many steps after a restore it marks
+    # the restored step as poisoned: quarantined everywhere, the next restore uses an older one.
+    check_finite: bool = True
+    poison_window: int = 20  # steps after a restore in which a non-finite loss poisons the step
+    inprocess: InprocessConfig = field(default_factory=InprocessConfig)
+    inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+    def check(self, fail: Fail) -> None:
+        if self.max_consecutive_failures_without_progress < 1 or self.poison_window < 0:
+            fail(
+                "max_consecutive_failures_without_progress",
+                "must be >= 1 (and poison_window >= 0)",
+                "give a positive number of attempts",
+            )
+        self.inprocess.check(fail.within("inprocess"))
+        if self.emergency_save_timeout <= 0:
+            fail("emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
+        try:
+            parse_signals(self.preemption_signals)
+        except ValueError as exc:
+            fail("preemption_signals", str(exc), "use names like SIGTERM,SIGUSR1")
+        self.inject.check(fail.within("inject"))
+        self.straggler.check(fail.within("straggler"))
