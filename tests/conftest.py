@@ -28,6 +28,12 @@ def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[No
             KILLED_AFTER_TESTS.append((request.node.nodeid, left))
 
 
+def _session_env() -> dict[str, str]:
+    """The environment of a service the session shares (S3, Slurm): not tied to the test that happened
+    to start it, so it is not killed after that test; the end-of-session check still covers it."""
+    return {k: v for k, v in os.environ.items() if k != leftovers.TEST_VAR}
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for nodeid, left in KILLED_AFTER_TESTS:
         listing = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)
@@ -90,7 +96,7 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     for _attempt in range(3):  # a start can fail transiently (e.g. a port taken meanwhile): retry fresh
         state = tempfile.mkdtemp(prefix="rgw-", dir="/tmp")
         env = {
-            **os.environ,
+            **_session_env(),
             "STATE_DIR": state,
             "RGW_PORT": str(free_port()),
             "MON_PORT": str(free_port()),
@@ -143,7 +149,7 @@ def slurm_cluster():  # noqa: ANN201
     if os.geteuid() != 0:
         pytest.skip("the test Slurm cluster runs its daemons as root")
     state = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
-    env = {**os.environ, "STATE": state, "CTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
+    env = {**_session_env(), "STATE": state, "CTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
     proc = subprocess.run(
         [str(REPO / "scripts" / "slurm" / "start.sh")], env=env, capture_output=True, text=True, timeout=120
     )
