@@ -71,9 +71,8 @@ def test_a_truncated_compressed_file_is_named_with_its_offset_or_skipped_on_requ
 ) -> None:
     path, size = _truncated(tmp_path, name)
     good = write_doc_file(tmp_path / "good.jsonl", ["after the bad file"])
-    assert (
-        main(["prepare-data", "--input", str(path), str(good), "--output", str(tmp_path / "o"), "--no-progress"]) == 2
-    )
+    argv = ["prepare-data", "--input", str(path), str(good), "--output", str(tmp_path / "o"), "--no-progress"]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(path) in err and f"at compressed byte {size} " in err
     assert "fix:" in err and "--skip-bad-files" in err
@@ -85,8 +84,7 @@ def test_a_truncated_compressed_file_is_named_with_its_offset_or_skipped_on_requ
     assert stats.bad_files == [
         {"file": str(path), "offset": size, "reason": stats.bad_files[0]["reason"], "documents_kept": len(docs) - 1}
     ]
-    argv = ["prepare-data", "--input", str(path), str(good), "--output", str(tmp_path / "o"), "--skip-bad-files"]
-    assert main([*argv, "--no-progress"]) == 0
+    assert main([*argv, "--skip-bad-files"]) == 0
     report = json.loads((tmp_path / "o.report.json").read_text())
     assert report["documents"] == len(docs) and report["bad_files"][0]["file"] == str(path)
 

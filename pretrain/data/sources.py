@@ -1,13 +1,14 @@
 """Documents from input files: plain text, JSONL (plain, ``.gz``, ``.zst``) and Parquet.
 
-Contract: :func:`read_documents` yields document strings from files in order, streaming: a file is
-never read whole, memory is bounded by ``read_chunk_bytes`` (compressed input is read, and text
-decompressed, about that much at a time), the longest line, and for Parquet one row group's text column (a property of the file,
-typically 64-128 MB, never its size). The format is the suffix: ``.parquet`` is Parquet with the
-text in the column ``json_key``; one of :data:`JSONL_SUFFIXES` (after an optional ``.gz``/``.zst``)
-is JSONL, Megatron's convention: one JSON object per line with the text under ``json_key``; blank
-lines and empty texts are no documents. Any other file (optionally ``.gz``/``.zst``) is UTF-8 text
-(undecodable bytes replaced), split at empty lines, each paragraph stripped.
+Contract: :func:`read_documents` yields document strings from files in order, streaming: a file
+is never read whole. Memory is bounded by ``read_chunk_bytes`` (compressed input is read, and text
+decompressed, about that much at a time), the longest line, and for Parquet one row group's text
+column (a property of the file, typically 64-128 MB, never its size). The format is the suffix:
+``.parquet`` is Parquet with the text in the column ``json_key``; one of :data:`JSONL_SUFFIXES`
+(after an optional ``.gz``/``.zst``) is JSONL, Megatron's convention: one JSON object per line
+with the text under ``json_key``; blank lines and empty texts are no documents. Any other file
+(optionally ``.gz``/``.zst``) is UTF-8 text (undecodable bytes replaced), split at empty lines,
+each paragraph stripped.
 
 Errors are one-line :class:`DataError` naming the file and the fix: a JSONL line that is not a JSON
 object with a string ``json_key`` (``file:line``; skipped and counted with ``skip_bad_lines``), a
