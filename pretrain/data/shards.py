@@ -95,7 +95,7 @@ def finished_report(prefix: Path | str, settings: Mapping[str, Any], snapshot_of
 def _describe_tokenizer(ident: Mapping[str, Any]) -> str:
     if ident.get("kind") == "byte":
         return "byte"
-    return f"{ident.get('kind')} {ident.get('file')} ({str(ident.get('sha256'))[:19]})"
+    return f"{ident.get('kind')} {ident.get('file')} (sha256:{str(ident.get('sha256')).removeprefix('sha256:')[:12]})"
 
 
 def _check_agreement(base: Path | str, reports: dict[int, dict[str, Any]], count: int) -> None:
