@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,7 @@ def prepare_data(
     if synthetic_mb is None:
         docs = read_documents(files, json_key, skip_bad_lines, stats, skip_bad_files, read_chunk_bytes)
         source = ", ".join(map(str, files[:3])) + (f" (+{len(files) - 3} more)" if len(files) > 3 else "")
+    started = time.perf_counter()
     counts = build_indexed_dataset(
         gates.filter(docs), prefix, tokenizer, tokenizer_path, workers, progress, source, shard is not None
     )
@@ -164,6 +166,7 @@ def prepare_data(
         "bad_files": stats.bad_files,
         "files": len(files),
         "snapshot": dataset_snapshot_id(prefix),
+        "seconds": round(time.perf_counter() - started, 3),  # read, gate, tokenize, write (not start-up)
     }
     if shard is not None:  # another split may have started meanwhile: never publish a mixed set
         shards.check_shard_count(output_prefix, shard[1])
