@@ -161,3 +161,13 @@ def test_the_cli_report_line_names_documents_tokens_and_drops(
     report = json.loads((tmp_path / "o.report.json").read_text())
     assert f"{report['documents']} documents, {report['tokens']} tokens" in out
     assert f"dropped: {report['dropped']['duplicate']} duplicate, {report['dropped']['too_short']} too_short" in out
+
+
+def test_more_shards_than_files_leave_empty_shards_that_merge(tmp_path: Path, corpus: Path) -> None:
+    files = [corpus / "a.jsonl", corpus / "e.txt"]
+    one = prepare_data(tmp_path / "one", files, progress=False)
+    reports = [prepare_data(tmp_path / "sh", files, shard=(i, 5), progress=False) for i in range(5)]
+    assert sorted(r["documents"] > 0 for r in reports) == [False, False, False, True, True]
+    merged = merge_data(tmp_path / "sh", tmp_path / "merged")
+    _same_dataset(tmp_path / "one", tmp_path / "merged")
+    assert merged["documents"] == one["documents"]

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
 from pretrain.data.gates import DIGEST_BYTES
 from pretrain.errors import DataError
@@ -175,7 +175,12 @@ def merge_shards(base: Path | str, output: Path | str) -> dict[str, Any]:
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = {s: Path(f"{out}{s}.tmp-{os.getpid()}") for s in (".bin", ".idx")}
-    dtype = IndexedDataset(str(prefixes[0])).index.dtype
+    if sum(r["documents"] for r in reports.values()) == 0:
+        raise DataError(
+            f"{base}: every shard is empty (no documents passed the gates); fix: check --input and the gates"
+        )
+    # the dtype prepare-data wrote (Megatron's choice for the vocabulary); an empty shard has no .bin to ask
+    dtype = DType.optimal_dtype(reports[0]["settings"]["tokenizer"]["vocab_size"])
     builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=dtype)
     seen: set[bytes] = set()
     across = {"documents": 0, "tokens": 0}
@@ -186,6 +191,8 @@ def merge_shards(base: Path | str, output: Path | str) -> dict[str, Any]:
                 digests = _read_digests(prefixes[i], reports[i]["documents"])
                 keep = [d not in seen for d in digests]
                 seen.update(digests)
+            if reports[i]["documents"] == 0:
+                continue  # an empty .bin cannot be mapped, and adds nothing
             if keep is None or all(keep):
                 builder.add_index(str(prefixes[i]))
             else:
