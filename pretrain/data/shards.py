@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +82,16 @@ def check_shard_count(base: Path | str, count: int) -> None:
             )
 
 
-def finished_report(prefix: Path | str, settings: Mapping[str, Any], snapshot_of: Any) -> dict[str, Any] | None:
+def finished_report(
+    prefix: Path | str, settings: Mapping[str, Any], snapshot_of: Callable[[Path], str]
+) -> dict[str, Any] | None:
     """The report of a shard already made with ``settings`` whose files are intact, else None."""
     report = read_report(prefix)
     if report is None or report.get("settings") != dict(settings):
         return None
     if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
         return None
-    return report if snapshot_of(prefix) == report.get("snapshot") else None
+    return report if snapshot_of(Path(prefix)) == report.get("snapshot") else None
 
 
 def _describe_tokenizer(ident: Mapping[str, Any]) -> str:
