@@ -28,20 +28,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from pretrain.data.prepare import dataset_snapshot_id, prepare_data
+    from pretrain.data.inputs import parse_shard
+    from pretrain.data.prepare import prepare_data
 
     if bool(args.input) == (args.synthetic_mb is not None):
         print("pretrain prepare-data: give --input FILES or --synthetic-mb N (one of them)", file=sys.stderr)
         return 2
-    missing = [f for f in args.input or [] if not Path(f).is_file()]
-    if missing:
-        print(
-            f"pretrain prepare-data: {missing[0]}: no such file; fix: pass existing text or JSONL files",
-            file=sys.stderr,
-        )
+    try:
+        shard = parse_shard(args.shard) if args.shard else None
+    except ValueError as exc:
+        print(f"pretrain prepare-data: {exc}", file=sys.stderr)
         return 2
     try:
-        counts = prepare_data(
+        report = prepare_data(
             args.output,
             args.input or (),
             args.synthetic_mb,
@@ -52,15 +51,40 @@ def _prepare(args: argparse.Namespace) -> int:
             args.skip_bad_lines,
             args.workers,
             progress=not args.no_progress,
+            shard=shard,
+            skip_bad_files=args.skip_bad_files,
+            min_chars=args.min_chars,
+            dedup=args.dedup,
+            read_chunk_bytes=int(args.read_buffer_mb * (1 << 20)),
         )
     except DataError as exc:
         print(f"pretrain prepare-data: {exc}", file=sys.stderr)
         return 2
-    skipped = f", skipped {counts['skipped_lines']} bad JSONL lines" if counts["skipped_lines"] else ""
-    print(
-        f"wrote {args.output}.bin/.idx: {counts['documents']} documents, {counts['tokens']} tokens "
-        f"({args.tokenizer}, vocab {counts['vocab_size']}){skipped}, snapshot {dataset_snapshot_id(args.output)}"
+    print(_report_line(report, "already done, not redone: " if report["skipped"] else "wrote "))
+    return 0
+
+
+def _report_line(report: dict, verb: str) -> str:
+    """One line of a prepare/merge report: where, documents, tokens, what was dropped and why."""
+    tok = report["settings"]["tokenizer"]
+    dropped = ", ".join(f"{n} {why}" for why, n in sorted(report["dropped"].items()) if n) or "none"
+    bad = f", {len(report['bad_files'])} bad file(s) cut short" if report["bad_files"] else ""
+    return (
+        f"{verb}{report['prefix']}.bin/.idx: {report['documents']} documents, {report['tokens']} tokens "
+        f"({tok['kind']}, vocab {tok['vocab_size']}), dropped: {dropped}{bad}, snapshot {report['snapshot']}"
     )
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from pretrain.data.prepare import merge_data
+    from pretrain.errors import DataError
+
+    try:
+        report = merge_data(args.shards, args.output)
+    except DataError as exc:
+        print(f"pretrain merge-data: {exc}", file=sys.stderr)
+        return 2
+    print(_report_line({**report, "prefix": args.output}, f"merged {report['shards']} shards: "))
     return 0
 
 
@@ -231,18 +255,32 @@ def _add_node_domain_command(sub: argparse._SubParsersAction) -> None:
 def _add_data_commands(sub: argparse._SubParsersAction) -> None:
     """``pretrain prepare-data`` and ``pretrain train-tokenizer``."""
     kinds = ("byte", "huggingface", "sentencepiece")
-    d = sub.add_parser("prepare-data", help="tokenize text/JSONL files into a Megatron indexed dataset")
-    d.add_argument("--input", nargs="+", help="text files (blank lines separate documents) or .jsonl files")
+    d = sub.add_parser("prepare-data", help="tokenize text/JSONL/Parquet files into a Megatron indexed dataset")
+    d.add_argument(
+        "--input",
+        nargs="+",
+        help="files, directories or globs: text (blank lines separate documents), .jsonl, .parquet; .gz/.zst too",
+    )
     d.add_argument("--synthetic-mb", type=float, help="generate a deterministic synthetic corpus of N MB instead")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
     d.add_argument("--tokenizer", choices=kinds, default="byte", help="as data.tokenizer (default: byte)")
     d.add_argument("--tokenizer-path", help="local tokenizer.json (huggingface) or .model (sentencepiece)")
-    d.add_argument("--json-key", default="text", help="the text field of .jsonl/.json/.ndjson lines")
+    d.add_argument("--json-key", default="text", help="the text field of JSONL lines, the text column of Parquet")
     d.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) JSONL lines without text")
+    d.add_argument("--skip-bad-files", action="store_true", help="keep what a truncated .gz/.zst held, go on")
+    d.add_argument("--min-chars", type=int, default=0, help="drop documents shorter than this (characters)")
+    d.add_argument("--dedup", action="store_true", help="drop exact-duplicate documents (the first is kept)")
+    d.add_argument("--shard", metavar="I/N", help="prepare shard I (0..N-1) of N; merge with merge-data")
+    d.add_argument("--read-buffer-mb", type=float, default=1.0, help="compressed input read at a time")
     d.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical for any N)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     d.set_defaults(func=_prepare)
+
+    mg = sub.add_parser("merge-data", help="merge the shards of prepare-data --shard into one dataset")
+    mg.add_argument("--shards", required=True, help="the --output the shards were prepared with")
+    mg.add_argument("--output", required=True, help="output prefix of the merged dataset")
+    mg.set_defaults(func=_merge)
 
     tt = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json on local files (offline)")
     tt.add_argument("--input", nargs="+", required=True, help="text files or .jsonl files")

@@ -1,4 +1,4 @@
-"""``pretrain prepare-data``: documents -> Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``).
+"""``pretrain prepare-data`` and ``merge-data``: documents -> Megatron indexed dataset (``PREFIX.bin``/``.idx``).
 
 Contract: :func:`build_indexed_dataset` tokenizes documents with any tokenizer of
 :mod:`pretrain.data.tokenizer_files` (byte by default) in ``workers`` processes, appends the
@@ -7,9 +7,14 @@ end-of-document id to each, and writes Megatron's indexed dataset with megatron-
 reads the other's) in the dtype Megatron picks for the vocabulary (:func:`token_dtype`: uint16
 below 65500, else int32). The output is identical for any number of workers. The files appear
 only when complete (written under temporary names, then renamed); an input without documents is
-a one-line :class:`DataError`. :func:`prepare_data` is the command: text/JSONL files or a
-synthetic corpus, with a progress bar (MB/s) on stderr. :func:`check_token_ids` refuses a dataset
-with ids outside a vocabulary; :func:`dataset_snapshot_id` is a dataset's identity.
+a one-line :class:`DataError` (an empty shard is allowed). :func:`prepare_data` is the command:
+files, directories and globs (:mod:`pretrain.data.inputs`) in any format of
+:mod:`pretrain.data.sources`, or a synthetic corpus, through the gates of :mod:`pretrain.data.gates`,
+with a progress bar (MB/s) on stderr and a report (``PREFIX.report.json``: documents, tokens,
+dropped and why); with ``shard=(I, N)`` it prepares shard I of N (:mod:`pretrain.data.shards`),
+and returns at once when that shard is already done with the same settings. :func:`merge_data`
+merges the shards. :func:`check_token_ids` refuses a dataset with ids outside a vocabulary;
+:func:`dataset_snapshot_id` is a dataset's identity.
 """
 
 from __future__ import annotations
@@ -20,15 +25,20 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
+from pretrain.data import shards
 from pretrain.data.encode import encode_documents
-from pretrain.data.sources import ReadStats, read_documents, synthetic_documents
+from pretrain.data.gates import DocumentGates
+from pretrain.data.inputs import expand_inputs, inputs_digest, shard_files
+from pretrain.data.sources import READ_CHUNK_BYTES, ReadStats, read_documents, synthetic_documents
 from pretrain.data.tokenizer_files import open_codec
 from pretrain.errors import DataError
 from tiering.fsio import atomic_write_bytes
@@ -47,6 +57,7 @@ def build_indexed_dataset(
     workers: int = 1,
     progress: bool = False,
     source: str = "the input",
+    allow_empty: bool = False,
 ) -> dict[str, int]:
     """Tokenize ``documents`` and write ``PREFIX.bin``/``.idx``; return the document and token counts."""
     prefix = Path(output_prefix)
@@ -55,7 +66,7 @@ def build_indexed_dataset(
     final = {suffix: Path(f"{prefix}{suffix}") for suffix in (".bin", ".idx")}
     tmp = {suffix: Path(f"{prefix}{suffix}.tmp-{os.getpid()}") for suffix in final}
     builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=token_dtype(codec.vocab_size))
-    docs = tokens = 0
+    docs = tokens = text_bytes = 0
     bar = tqdm(
         desc=f"tokenizing ({tokenizer})",
         unit="B",
@@ -72,9 +83,10 @@ def build_indexed_dataset(
                     builder.add_document(ids, [len(ids)])
                 docs += len(batch.lengths)
                 tokens += int(batch.lengths.sum())
+                text_bytes += batch.text_bytes
                 bar.update(batch.text_bytes)
                 bar.set_postfix(documents=docs, refresh=False)
-        if docs == 0:
+        if docs == 0 and not allow_empty:
             raise DataError(
                 f"{source}: no documents (every file is empty or blank); fix: give text with a non-blank "
                 "paragraph or JSONL lines with text"
@@ -85,7 +97,7 @@ def build_indexed_dataset(
     finally:
         for path in tmp.values():
             path.unlink(missing_ok=True)
-    return {"documents": docs, "tokens": tokens, "vocab_size": codec.vocab_size}
+    return {"documents": docs, "tokens": tokens, "text_bytes": text_bytes, "vocab_size": codec.vocab_size}
 
 
 def prepare_data(
@@ -99,16 +111,75 @@ def prepare_data(
     skip_bad_lines: bool = False,
     workers: int = 1,
     progress: bool = True,
-) -> dict[str, int]:
-    """``pretrain prepare-data``: the files' (or a synthetic corpus's) documents -> indexed dataset."""
+    *,
+    shard: tuple[int, int] | None = None,
+    skip_bad_files: bool = False,
+    min_chars: int = 0,
+    dedup: bool = False,
+    read_chunk_bytes: int = READ_CHUNK_BYTES,
+) -> dict[str, Any]:
+    """``pretrain prepare-data``: the inputs' (or a synthetic corpus's) documents -> indexed dataset and
+    report; with ``shard``, shard I of N (``skipped`` is true when it was already done)."""
     stats = ReadStats()
+    gates = DocumentGates(min_chars, dedup)
+    if synthetic_mb is not None and shard is not None:
+        raise DataError("--synthetic-mb with --shard: a synthetic corpus is not split; fix: drop --shard")
     if synthetic_mb is not None:
+        files: list[Path] = []
         docs, source = synthetic_documents(synthetic_mb, seed), f"--synthetic-mb {synthetic_mb}"
+        identity_of_inputs = f"synthetic:{synthetic_mb}:{seed}"
     else:
-        docs = read_documents(inputs, json_key, skip_bad_lines, stats)
-        source = ", ".join(map(str, inputs[:3])) + (f" (+{len(inputs) - 3} more)" if len(inputs) > 3 else "")
-    counts = build_indexed_dataset(docs, output_prefix, tokenizer, tokenizer_path, workers, progress, source)
-    return {**counts, "skipped_lines": stats.skipped_lines}
+        files = expand_inputs(inputs)
+        identity_of_inputs = inputs_digest(files)
+    settings = {
+        "inputs": identity_of_inputs,
+        "tokenizer": open_codec(tokenizer, tokenizer_path).identity(),
+        "gates": gates.settings(),
+        "json_key": json_key,
+        "skip_bad_lines": skip_bad_lines,
+        "skip_bad_files": skip_bad_files,
+        "shard": list(shard) if shard else None,
+    }
+    prefix = Path(output_prefix)
+    if shard is not None:
+        shards.check_shard_count(output_prefix, shard[1])
+        prefix = shards.shard_prefix(output_prefix, *shard)
+        done = shards.finished_report(prefix, settings, dataset_snapshot_id)
+        if done is not None:
+            return {**done, "prefix": str(prefix), "skipped": True}
+        files = shard_files(files, *shard)
+    if synthetic_mb is None:
+        docs = read_documents(files, json_key, skip_bad_lines, stats, skip_bad_files, read_chunk_bytes)
+        source = ", ".join(map(str, files[:3])) + (f" (+{len(files) - 3} more)" if len(files) > 3 else "")
+    started = time.perf_counter()
+    counts = build_indexed_dataset(
+        gates.filter(docs), prefix, tokenizer, tokenizer_path, workers, progress, source, shard is not None
+    )
+    if dedup:
+        atomic_write_bytes(shards.digests_path(prefix), bytes(gates.kept_digests))
+    report = {
+        "settings": settings,
+        "documents": counts["documents"],
+        "tokens": counts["tokens"],
+        "text_bytes": counts["text_bytes"],
+        "dropped": {**gates.dropped, "bad_lines": stats.skipped_lines},
+        "bad_files": stats.bad_files,
+        "files": len(files),
+        "snapshot": dataset_snapshot_id(prefix),
+        "seconds": round(time.perf_counter() - started, 3),  # read, gate, tokenize, write (not start-up)
+    }
+    if shard is not None:  # another split may have started meanwhile: never publish a mixed set
+        shards.check_shard_count(output_prefix, shard[1])
+    shards.write_report(prefix, report)
+    return {**report, "prefix": str(prefix), "skipped": False, "skipped_lines": stats.skipped_lines}
+
+
+def merge_data(shard_base: Path | str, output_prefix: Path | str) -> dict[str, Any]:
+    """``pretrain merge-data``: every shard of ``shard_base`` -> one dataset at ``output_prefix``."""
+    report = shards.merge_shards(shard_base, output_prefix)
+    report["snapshot"] = dataset_snapshot_id(output_prefix)
+    shards.write_report(output_prefix, report)
+    return report
 
 
 def check_token_ids(prefix: Path | str, vocab_size: int) -> int:
