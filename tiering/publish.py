@@ -99,10 +99,11 @@ class PosixStepPublisher:
             )
             free = free_after
         if free < needed:
+            pruned = " even with only the newest verified step kept" if make_room is not None else ""
             raise DiskFull(
-                f"{self.layout.steps_dir}: disk full: {free} bytes free, step {step} needs ~{needed} "
-                "even with only the newest verified step kept; older steps are intact; fix: give that volume "
-                "more space (or fewer replicas: checkpoint.replication.factor)"
+                f"{self.layout.steps_dir}: not enough free space (disk full): {free} bytes free, step {step} "
+                f"needs ~{needed}{pruned}; older steps are intact; fix: give that volume more space or keep "
+                "fewer steps (the tier's keep; for tier 1 also checkpoint.replication.factor)"
             )
 
     def commit(
