@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +233,15 @@ def arrived(
         (directory / rel).write_bytes(data)
     header = {"run_id": run_id, "step": step, "owner": owner}
     return ReceivedStep(header, manifest_raw, directory, [(rel, len(data)) for rel, data in files.items()])
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
+    """A real tmpfs of ``size_mb`` MiB mounted at ``path`` (root), unmounted whatever happens: a full
+    disk or a small memory volume for a test."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

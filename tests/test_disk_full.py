@@ -9,12 +9,9 @@ The volumes are real tmpfs mounts (root), unmounted even when a test fails.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from prometheus_client import generate_latest
 from pretrain.checkpointing.async_writer import BackgroundWrite, save_state
 from pretrain.checkpointing.reporting import failure_reason
 from pretrain.observability.metrics import TrainingMetrics
-from tests.helpers import events, overrides_for, torchrun
+from tests.helpers import events, overrides_for, tmpfs, torchrun
 from tiering.collective import SingleProcess
 from tiering.errors import DiskFull, PublishError
 from tiering.fsio import write_file_durably
@@ -32,16 +29,6 @@ from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher, manifest_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _publish(publisher: PosixStepPublisher, step: int, size: int) -> None:

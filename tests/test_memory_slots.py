@@ -18,7 +18,7 @@ from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import load_verified_state
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
-from tests.helpers import TINY, flip_byte
+from tests.helpers import TINY, flip_byte, tmpfs
 from tiering.cli import main as cli_main
 from tiering.collective import SingleProcess
 from tiering.digest import HashSpec
@@ -226,15 +226,8 @@ def test_invalidating_newer_slots_unseals_the_abandoned_timeline(memory_tier: Me
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs mounted for this test (root only), unmounted whatever happens."""
-    mnt = tmp_path / "tiny-shm"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "tiny-shm", 1) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_tmpfs_fails_the_write_with_enospc_and_leaves_no_payload(small_tmpfs: Path) -> None:

@@ -30,6 +30,7 @@ from tests.helpers import (
     metrics_by_step,
     overrides_for,
     run,
+    tmpfs,
     torchrun,
     torchrun_prefix,
 )
@@ -60,15 +61,8 @@ def shm_dir() -> Iterator[Path]:
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 40 MiB tmpfs mounted for this test (root only), unmounted whatever happens."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "shm", 40) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture(scope="module")
