@@ -30,11 +30,17 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest-xdist workers: most of a test's time is a job's processes starting and waiting on
+# each other, so a second worker fills the idle core. Tests that share a machine-wide service (the
+# Ceph RGW, Slurm, the network-namespace clusters) run on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
+PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
 test: venv sysdeps lint
-	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q --durations=15 tests
+	$(PYTEST) tests
 
 test-fast: venv
-	PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q tests -m "not slow"
+	$(PYTEST) tests -m "not slow"
 
 format: venv
 	$(BIN)/ruff format .

@@ -1,53 +1,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
-from tests import leftovers
+from tests.leftover_guard import session_env
 
-# Every process started from here on carries the session's id (see tests/leftovers.py).
-os.environ[leftovers.SESSION_VAR] = SESSION_ID = leftovers.new_id()
-KILLED_AFTER_TESTS: list[tuple[str, list[tuple[int, str]]]] = []
-
-
-@pytest.fixture(autouse=True)
-def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    test_id = os.environ[leftovers.TEST_VAR] = leftovers.new_id()
-    try:
-        yield
-    finally:
-        del os.environ[leftovers.TEST_VAR]
-        left = leftovers.carrying(leftovers.TEST_VAR, test_id)
-        if left:
-            leftovers.kill_all(left)
-            KILLED_AFTER_TESTS.append((request.node.nodeid, left))
-
-
-def _session_env() -> dict[str, str]:
-    """The environment of a service the session shares (S3, Slurm): not tied to the test that happened
-    to start it, so it is not killed after that test; the end-of-session check still covers it."""
-    return {k: v for k, v in os.environ.items() if k != leftovers.TEST_VAR}
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for nodeid, left in KILLED_AFTER_TESTS:
-        listing = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)
-        terminalreporter.line(f"killed processes {nodeid} left running: {listing}")
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A service or job the suite started and never stopped fails the run, named."""
-    left = leftovers.carrying(leftovers.SESSION_VAR, SESSION_ID)
-    if left:
-        leftovers.kill_all(left)
-        listing = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)
-        session.config.get_terminal_writer().line(f"processes the suite started were still running: {listing}")
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+pytest_plugins = ["tests.leftover_guard"]
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +43,6 @@ RGW_SECRET = "rp-secret-7c41e2b9d0"
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """A real S3 server for the session: ``S3_ENDPOINT_URL`` (+ AWS_* credentials) if given, else a
     single-node Ceph RADOS Gateway started on 127.0.0.1 (installed by ``make test``)."""
-    import os
     import shutil
     import subprocess
     import tempfile
@@ -96,7 +57,7 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     for _attempt in range(3):  # a start can fail transiently (e.g. a port taken meanwhile): retry fresh
         state = tempfile.mkdtemp(prefix="rgw-", dir="/tmp")
         env = {
-            **_session_env(),
+            **session_env(),
             "STATE_DIR": state,
             "RGW_PORT": str(free_port()),
             "MON_PORT": str(free_port()),
@@ -137,7 +98,6 @@ def bucket(s3_endpoint: str) -> str:
 def slurm_cluster():  # noqa: ANN201
     """A real one-node Slurm cluster (slurmctld + slurmd + munge) for the session; yields the
     environment (``SLURM_CONF``) that sbatch/scontrol need. Installed by ``make test``."""
-    import os
     import shutil
     import subprocess
     import tempfile
@@ -149,7 +109,7 @@ def slurm_cluster():  # noqa: ANN201
     if os.geteuid() != 0:
         pytest.skip("the test Slurm cluster runs its daemons as root")
     state = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
-    env = {**_session_env(), "STATE": state, "CTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
+    env = {**session_env(), "STATE": state, "CTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
     proc = subprocess.run(
         [str(REPO / "scripts" / "slurm" / "start.sh")], env=env, capture_output=True, text=True, timeout=120
     )

@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests import leftovers
+from tests.helpers import REPO
 
 
 def test_an_orphan_carrying_a_test_id_is_found_and_killed() -> None:
@@ -24,3 +26,36 @@ def test_an_orphan_carrying_a_test_id_is_found_and_killed() -> None:
     while leftovers.carrying("RP_PROBE", marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers.carrying("RP_PROBE", marker) == []
+
+
+SUITE = """
+import os, subprocess, sys
+
+def test_starts_a_service_and_never_stops_it():
+    if os.environ.get("RP_PROBE_LEAK"):
+        env = {k: v for k, v in os.environ.items() if k != "RP_TEST_ID"}  # a session service
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # rp-probe-service"], env=env)
+
+def test_other():
+    pass
+"""
+
+
+def _run_two_workers(tmp_path: Path, leak: bool) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.leftover_guard"]\n')
+    (tmp_path / "test_probe.py").write_text(SUITE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RP_PROBE_LEAK": "1" if leak else ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", str(tmp_path)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_with_two_xdist_workers_a_service_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> None:
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "leak").mkdir()
+    clean = _run_two_workers(tmp_path / "clean", leak=False)
+    assert clean.returncode == 0, clean.stdout[-2000:]  # the workers themselves are not leftovers
+    leaked = _run_two_workers(tmp_path / "leak", leak=True)
+    assert leaked.returncode == 1, leaked.stdout[-2000:]
+    assert "processes the suite started were still running" in leaked.stdout and "rp-probe-service" in leaked.stdout
+    survivors = subprocess.run(["pgrep", "-f", "rp-probe-service"], capture_output=True, text=True).stdout.split()
+    assert survivors == [], survivors
