@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from pretrain.checkpointing.memory_tier import PAYLOAD_SLACK_BYTES
 from pretrain.commands.plan import (
+    SLOT_SLACK_BYTES,
     daly_interval,
     goodput,
     mtbf_from_failures,
@@ -154,7 +156,10 @@ def test_a_plain_gpt_count_is_the_standard_formula_and_the_8b_config_is_llama3_8
 
 def test_tier0_ram_and_interval_keep_the_cost_within_the_budget() -> None:
     m = plan_memory_tier(7e9, ranks_per_node=8, slots=2, peer_copies=1, save_s=0.25, step_s=5.0, budget=0.02)
-    assert m.ram_per_node_bytes == 2 * 2 * 7e9 * 8
+    assert SLOT_SLACK_BYTES == PAYLOAD_SLACK_BYTES  # the start-up check's allowance per slot
+    assert m.ram_per_node_bytes == 2 * 2 * (7e9 + SLOT_SLACK_BYTES) * 8
+    assert m.size_limit == "209Gi"  # 224.13 GB = 208.7 GiB, rounded up
+    assert plan_memory_tier(5e6, 2, 2, 1, None, None).size_limit == "71Mi"  # 70.1 MiB
     assert m.interval_steps == 3  # 0.25 / (0.02 * 5) = 2.5 -> every 3 steps
     assert m.cost_fraction == pytest.approx(0.25 / 15) and m.cost_fraction <= 0.02
     assert plan_memory_tier(1e9, 1, 2, 0, save_s=0.05, step_s=5.0).interval_steps == 1

@@ -16,7 +16,9 @@ replication factor (own shards plus the replicas it holds); every estimate grows
 
 Tier 0 (``checkpoint.memory``): each rank's state in ``slots`` tmpfs slots, plus the copies it holds
 for its peers (``peer`` per slot, issue 29 part 3), so a node needs ``slots x (own + peer) x state
-per rank x ranks per node`` of RAM. Its interval is the fewest steps whose saves keep the total
+per rank x ranks per node`` of RAM, each slot counted as the state plus the 4 MiB the start-up check adds for a
+payload's non-tensor values (``SLOT_SLACK_BYTES``), rounded up to the ``emptyDir`` ``sizeLimit``
+the Kubernetes manifests carry (``size_limit``). Its interval is the fewest steps whose saves keep the total
 cost (one save's step excess per interval) within ``budget`` of the step time (default 2 %):
 ``interval = ceil(save_cost / (budget x step_s))``. A failure then loses at most ``interval`` steps.
 
@@ -31,6 +33,9 @@ import math
 from dataclasses import asdict, dataclass
 
 BYTES_PER_PARAM = {"bf16_weights": 2, "fp32_master": 4, "adam_m": 4, "adam_v": 4}
+# The start-up check's allowance per slot beyond the tensors (pretrain/checkpointing/memory_tier.py's
+# PAYLOAD_SLACK_BYTES; not imported: that module needs torch, the plan must answer at once).
+SLOT_SLACK_BYTES = 4 * 1024 * 1024
 PER_PARAM_WORDS = {14: "bf16 weights + fp32 master + Adam m, v", 12: "fp32 weights + Adam m, v"}
 
 
@@ -143,6 +148,10 @@ class MemoryTierPlan:
     interval_steps: int | None
     cost_fraction: float | None  # of the step time, at interval_steps
 
+    @property
+    def size_limit(self) -> str:
+        return size_limit(self.ram_per_node_bytes)
+
 
 def plan_memory_tier(
     state_bytes_per_rank: float,
@@ -155,7 +164,7 @@ def plan_memory_tier(
 ) -> MemoryTierPlan:
     if state_bytes_per_rank <= 0 or ranks_per_node <= 0 or slots < 1 or peer_copies < 0 or not 0 < budget < 1:
         raise ValueError("tier 0: state bytes, ranks per node and slots must be positive, budget in (0, 1)")
-    ram = slots * (1 + peer_copies) * state_bytes_per_rank * ranks_per_node
+    ram = slots * (1 + peer_copies) * (state_bytes_per_rank + SLOT_SLACK_BYTES) * ranks_per_node
     interval = fraction = None
     if save_s is not None and step_s:
         interval = max(1, math.ceil(save_s / (budget * step_s) - 1e-9))
@@ -163,6 +172,13 @@ def plan_memory_tier(
     return MemoryTierPlan(
         state_bytes_per_rank, ranks_per_node, slots, peer_copies, ram, save_s, step_s, budget, interval, fraction
     )
+
+
+def size_limit(n: float) -> str:
+    """A Kubernetes quantity holding ``n`` bytes: whole MiB below 1 GiB, else whole GiB (rounded up)."""
+    if n < 2**30:
+        return f"{math.ceil(n / 2**20)}Mi"
+    return f"{math.ceil(n / 2**30)}Gi"
 
 
 def size_text(n: float) -> str:
@@ -173,8 +189,9 @@ def size_text(n: float) -> str:
 def format_memory_tier(m: MemoryTierPlan) -> list[str]:
     lines = [
         f"tier 0 (memory): RAM per node = {m.slots} slots x (own + {m.peer_copies} peer) x "
-        f"{size_text(m.state_bytes_per_rank)} per rank x {m.ranks_per_node} ranks = {size_text(m.ram_per_node_bytes)} "
-        f"({m.ram_per_node_bytes / 2**30:.2f} GiB: the tmpfs/emptyDir sizeLimit, before what NCCL needs)",
+        f"({size_text(m.state_bytes_per_rank)} per rank + 4 MiB) x {m.ranks_per_node} ranks = "
+        f"{size_text(m.ram_per_node_bytes)}: emptyDir {{medium: Memory, sizeLimit: {m.size_limit}}} "
+        f"at checkpoint.memory.dir (Docker: --shm-size), apart from NCCL's /dev/shm",
     ]
     if m.interval_steps is None:
         lines.append("tier 0 interval: needs a save cost and a step time (--run-dir, the bench or --step-seconds)")
