@@ -153,6 +153,13 @@ def _scaled(seconds: float, measured_mb: float, state_bytes: float, what: str, p
     return Figure(seconds * scale, f"{path}: {what}, {seconds:.3f} s at {measured_mb:.0f} MB x{scale:.3g} by bytes")
 
 
+def _machine(data: dict[str, Any]) -> str:
+    """What the bench ran on, said beside its figures (a 2-CPU VM's seconds are not an H100 node's)."""
+    if data.get("machine"):
+        return f"; bench machine: {data['machine']}"
+    return f"; bench machine: {data['cpus']} CPUs" if data.get("cpus") else ""
+
+
 def _date(name: str) -> str:
     found = re.search(r"\d{4}-\d{2}-\d{2}", name)
     return found.group(0) if found else ""
@@ -195,22 +202,24 @@ def costs_from_bench(results_dir: Path, state_bytes: float, mode: str) -> Measur
     if with_cost:
         path, data = with_cost[0]
         row = _nearest([b for b in data["blocked"] if f"blocked_{mode}_s" in b], state_bytes, "state_mb")
-        out.save.update(_bench_save_costs(row, mode, state_bytes, path))
+        for tier, fig in _bench_save_costs(row, mode, state_bytes, path).items():
+            out.save[tier] = Figure(fig.value, fig.source + _machine(data))
     with_io = [(p, d) for p, d in dated if d.get("io")]
     if with_io:
         path, data = with_io[0]
         row = _nearest(data["io"], state_bytes)
-        out.restore["local"] = _scaled(
-            row["restore_cold"]["measured_s"], row["size_mb"], state_bytes, "verified cold restore", path
-        )
-        out.restore["replica"] = _scaled(
-            row["peer_restore"]["measured_s"], row["size_mb"], state_bytes, "peer restore", path
-        )
+        for tier, key, what in (
+            ("local", "restore_cold", "verified cold restore"),
+            ("replica", "peer_restore", "peer restore"),
+        ):
+            fig = _scaled(row[key]["measured_s"], row["size_mb"], state_bytes, what, path)
+            out.restore[tier] = Figure(fig.value, fig.source + _machine(data))
     tier0 = [(p, d) for p, d in _results(results_dir, "tier0-") if d.get("tier0")]
     if tier0:
         path, data = tier0[0]
         row = _nearest(data["tier0"], state_bytes)
-        out.restore["memory"] = _scaled(
+        fig = _scaled(
             row["restore_vs_raw_read"]["measured_s"], row["size_mb"], state_bytes, "tier-0 verify + map", path
         )
+        out.restore["memory"] = Figure(fig.value, fig.source + _machine(data))
     return out
