@@ -208,6 +208,12 @@ def test_costs_come_from_a_runs_records(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "no such directory; fix:" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write('{"attempt": "a1", "step": 21, "ti')  # a rank killed mid-line: the rest stands
+    assert costs_from_run(run).step_s.value == pytest.approx(1.0)
+    (run / "events.jsonl").write_text("garbage\n" + (run / "events.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"events.jsonl:1: not a JSON record .*; fix:"):
+        costs_from_run(run)
 
 
 def test_costs_come_from_the_bench_results_scaled_by_bytes(tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ def plan_tier(
     tier: str, save_s: float, restore_s: float, mtbf_s: float, step_s: float | None, detect_restart_s: float
 ) -> TierPlan:
     if save_s <= 0 or mtbf_s <= 0:
-        raise ValueError(f"tier {tier}: save cost and MTBF must be positive")
+        raise ValueError(f"tier {tier}: save cost and MTBF must be positive; fix: pass measured seconds > 0")
     tau = daly_interval(save_s, mtbf_s)
     steps = max(1, round(tau / step_s)) if step_s else None
     return TierPlan(
@@ -163,7 +163,10 @@ def plan_memory_tier(
     budget: float = 0.02,
 ) -> MemoryTierPlan:
     if state_bytes_per_rank <= 0 or ranks_per_node <= 0 or slots < 1 or peer_copies < 0 or not 0 < budget < 1:
-        raise ValueError("tier 0: state bytes, ranks per node and slots must be positive, budget in (0, 1)")
+        raise ValueError(
+            "tier 0: state bytes, ranks per node and slots must be positive, budget in (0, 1); "
+            "fix: e.g. --ranks-per-node 8 --budget 0.02"
+        )
     ram = slots * (1 + peer_copies) * (state_bytes_per_rank + SLOT_SLACK_BYTES) * ranks_per_node
     interval = fraction = None
     if save_s is not None and step_s:

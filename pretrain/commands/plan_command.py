@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pretrain.commands.plan import (
+    CapacityPlan,
     MemoryTierPlan,
     TierPlan,
     as_dict,
@@ -85,10 +86,13 @@ def _typed(specs: list[str]) -> MeasuredCosts:
     """``--tier NAME:SAVE:RESTORE`` figures (ValueError names the bad one)."""
     out = MeasuredCosts()
     for spec in specs:
-        parts = spec.split(":")
-        if len(parts) != 3:
-            raise ValueError(f"--tier {spec!r}: expected 3 fields")
-        name, save, restore = parts[0], float(parts[1]), float(parts[2])
+        try:
+            name, save_text, restore_text = spec.split(":")
+            save, restore = float(save_text), float(restore_text)
+        except ValueError:
+            raise ValueError(
+                f"--tier {spec!r}: not NAME:SAVE_SECONDS:RESTORE_SECONDS; fix: e.g. local:30:240"
+            ) from None
         out.save[name] = Figure(save, "--tier")
         out.restore[name] = Figure(restore, "--tier")
     return out
@@ -156,6 +160,24 @@ def _figure_lines(cfg_path: str | None, size: ModelSize | None, costs: MeasuredC
     return lines
 
 
+def _capacity(args: argparse.Namespace, size: ModelSize | None) -> CapacityPlan | None:
+    """Storage per tier: from the derived model with --config, else from --params (none without)."""
+    params = float(size.params) if size is not None else args.params
+    if not params:
+        return None
+    return plan_capacity(
+        params,
+        args.nodes,
+        args.local_keep,
+        args.replication,
+        args.staging_keep,
+        args.s3_keep,
+        args.headroom,
+        per_param=size.weight_bytes + size.optimizer_bytes if size else None,
+        tier1_bytes_per_node=size.state_bytes_per_rank * args.ranks_per_node if size else None,
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
     mtbf = _mtbf(args)
     if mtbf is None:
@@ -175,26 +197,11 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         costs = gather(args, cfg, size)
         tiers, notes = _tiers(args, costs, mtbf)
-    except ValueError as exc:
-        print(f"pretrain plan: {exc}; fix: --tier NAME:SAVE_SECONDS:RESTORE_SECONDS", file=sys.stderr)
+        memory = _memory_tier(args, cfg, size, costs) if cfg is not None and size is not None else None
+        capacity = _capacity(args, size)
+    except ValueError as exc:  # every one names its input and its fix
+        print(f"pretrain plan: {exc}", file=sys.stderr)
         return 2
-    memory = _memory_tier(args, cfg, size, costs) if cfg is not None and size is not None else None
-    params = float(size.params) if size is not None else args.params
-    capacity = (
-        plan_capacity(
-            params,
-            args.nodes,
-            args.local_keep,
-            args.replication,
-            args.staging_keep,
-            args.s3_keep,
-            args.headroom,
-            per_param=size.weight_bytes + size.optimizer_bytes if size else None,
-            tier1_bytes_per_node=size.state_bytes_per_rank * args.ranks_per_node if size else None,
-        )
-        if params
-        else None
-    )
     if args.json:
         out = as_dict(tiers, capacity, mtbf)
         out["model"] = asdict(size) if size else None

@@ -109,9 +109,20 @@ def save_costs(rows: list[dict[str, Any]], saves: list[dict[str, Any]]) -> dict[
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """A run's JSON-lines records; a torn last line (a rank killed mid-write) is left out, any other
+    line that is not JSON is a ValueError naming the file and line."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if n == len(lines):
+                break  # torn by a kill: the records before it stand
+            raise ValueError(f"{path}:{n}: not a JSON record ({exc.msg}); fix: pass an intact run directory") from None
+    return out
 
 
 def costs_from_run(run_dir: Path) -> MeasuredCosts:
