@@ -19,6 +19,9 @@ flagged as a measurement problem, never counted as met. For each state size (def
 * blocked: seconds the real trainer (``pretrain train``, 2 ranks, a GPT sized to the state) is
   blocked per background tier-1 save, per writer mode, over a synchronous ``torch.save`` + fsync
   of the same state file (<= 1/50);
+* save cost (reported, :mod:`bench.save_cost`): blocked seconds and step excess (the step after a
+  save minus a plain step) per save for tier 1 in thread and fork modes and for tier 0, repeated
+  jobs with spread; the tier-1 mode with the smaller cost is ``best_mode`` (the config default);
 * S3 (when ``S3_ENDPOINT_URL`` is set): promotion / ``upload_file`` (>= 0.95) and verified restore /
   the same ranged GETs written but not hashed (<= 1.15x; the faster raw path: ``download_file``,
   said beside it, was beaten by the verified restore, so it does not measure the limit);
@@ -45,7 +48,9 @@ from typing import Any
 import torch
 
 from bench.io_numbers import measure_local, measure_peer
+from bench.save_cost import measure_save_cost
 from pretrain.commands.plan import mtbf_from_failures, plan_tier
+from pretrain.config import AsyncSaveConfig
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, HashSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,8 +71,8 @@ MODELS = {
     300: ["model.num_layers=8", "model.hidden_size=512", "model.num_attention_heads=8"],
     2000: ["model.num_layers=9", "model.hidden_size=1280", "model.num_attention_heads=10"],
 }
+DEFAULT_MODE = "thread" if AsyncSaveConfig().mode == "auto" else AsyncSaveConfig().mode
 SMALL_BATCH = ["model.seq_length=64", "data.global_batch_size=2", "data.micro_batch_size=1"]
-SAVE_EVERY = 3  # steps between saves in the blocked-time jobs
 # The seed's fleet record: 466 interruptions in 54 days on 16,384 GPUs (a job on all of them).
 FLEET = {"failures": 466, "days": 54.0, "cluster_gpus": 16384, "job_gpus": 16384}
 
@@ -137,57 +142,47 @@ def _steps_per_s(metrics: list[dict[str, Any]], skip: int) -> float:
     return (len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"])
 
 
-def measure_blocked(work: Path, mb: int, steps: int) -> dict[str, Any]:
-    """Blocked seconds per background tier-1 save in the real trainer, per writer mode, against
-    a synchronous torch.save + fsync of one of the state files it wrote."""
-    out: dict[str, Any] = {"size_mb": mb, "steps": steps}
-    model = MODELS[mb] + SMALL_BATCH
+def measure_blocked(work: Path, mb: int, steps: int, repeats: int) -> dict[str, Any]:
+    """What a save costs the real trainer (bench.save_cost: blocked seconds and step excess for
+    tier 1 in thread and fork modes and for tier 0, repeated, with spread), and the blocked time
+    against a synchronous torch.save + fsync of one of the state files tier 1 wrote."""
+    work = work / str(mb)
+    cost = measure_save_cost(_train, work, mb, MODELS[mb] + SMALL_BATCH, steps, repeats)
+    out: dict[str, Any] = {"size_mb": mb, "steps": steps, "save_cost": cost}
     for mode in ("fork", "thread"):
-        ev = _train(work / str(mb), mode, [*model, f"train.steps={steps}", f"checkpoint.local.interval={SAVE_EVERY}",
-                                           f"checkpoint.async.mode={mode}", "checkpoint.local.keep=1"])  # fmt: skip
-        saves = [e for e in ev if e["event"] == "save" and e["tier"] == "local" and e["step"] != steps]
-        out[f"blocked_{mode}_s"] = round(statistics.median(e["blocked_seconds"] for e in saves), 4)
-        out[f"saves_{mode}"] = len(saves)
-        ckpt = Path(ev[-1]["ckpt"])
-        out[f"step_s_{mode}"] = round(1 / _steps_per_s(ev[-1]["rows"], 2), 3)
-        # What training saw: the step after each save (it holds the save, copy-on-write faults
-        # or the wait for the copy, and the writer's competition for the cores) minus a median step.
-        times = {r["step"]: r["time"] for r in ev[-1]["rows"]}
-        durations = {s: times[s] - times[s - 1] for s in times if s - 1 in times and s > 2}
-        saved_at = {e["step"] for e in saves}
-        plain = statistics.median(d for s, d in durations.items() if s - 1 not in saved_at)
-        after = [durations[s + 1] - plain for s in saved_at if s + 1 in durations]
-        out[f"step_excess_{mode}_s"] = round(statistics.median(after), 4) if after else None
-    state_file = next(ckpt.glob("b/ranks/rank-00000/steps/step-*/state.pt"))
+        case = cost["cases"][f"tier1-{mode}"]
+        out[f"blocked_{mode}_s"] = case["blocked_s"]["median"]
+        out[f"step_excess_{mode}_s"] = case["step_excess_s"]["median"]
+        out[f"cost_{mode}_s"] = case["cost_s"]["median"]
+        out[f"step_s_{mode}"] = case["mean_step_s"]["median"]
+    state_file = work / "state.pt"
     out["state_mb"] = round(state_file.stat().st_size / 1e6)
     state = torch.load(state_file, weights_only=True)
-    sync = [_sync_save(state, work / str(mb) / "sync.pt") for _ in range(3)]
-    (work / str(mb) / "sync.pt").unlink()
+    sync = [_sync_save(state, work / "sync.pt") for _ in range(3)]
+    (work / "sync.pt").unlink()
+    state_file.unlink()
     del state
     out["sync_save_s"] = round(statistics.median(sync), 4)
     for mode in ("fork", "thread"):
         out[f"blocked_per_save_{mode}"] = out[f"blocked_{mode}_s"] / out["sync_save_s"]
     out["blocked_per_save"] = min(out["blocked_per_save_fork"], out["blocked_per_save_thread"])
-    out["best_mode"] = "fork" if out["blocked_per_save_fork"] <= out["blocked_per_save_thread"] else "thread"
+    # The mode that costs training less per save (step excess, not only the blocked time); when the
+    # two cannot be told apart, the configured default (auto: thread).
+    out["best_mode"] = cost["default_mode"]["mode"] or DEFAULT_MODE
     return out
 
 
-def measure_steps(
-    work: Path, blocked_s: float, step_s_saving: float, save_every: int, mode: str, intervals: int
-) -> dict[str, Any]:
+def measure_steps(work: Path, save_cost: float, mode: str, intervals: int) -> dict[str, Any]:
     """steps/s with tier-1 saves at the planner's interval / steps/s without checkpoints.
 
-    Daly's delta is what one save costs training, measured: the ~300 MB job saving every
-    ``save_every`` steps took ``step_s_saving`` per step against the job without checkpoints;
-    the difference times ``save_every`` is the cost of a save (the blocked time plus the CPU the
-    writer, hashing and replication take from the ranks on 2 cores), never less than the blocked
-    time. The job MTBF is the seed's fleet record.
+    Daly's delta is what one save costs training, measured (bench.save_cost: the step after a
+    save minus a plain step, never less than the blocked time). The job MTBF is Meta's Llama 3
+    fleet record.
     """
     mtbf = mtbf_from_failures(**FLEET)
     model = MODELS[300] + SMALL_BATCH + [f"checkpoint.async.mode={mode}"]
     ev = _train(work / "steps", "probe", [*model, "checkpoint.local.interval=100000", "train.steps=60"])
     step_s = 1 / _steps_per_s(ev[-1]["rows"], 3)
-    save_cost = max(blocked_s, (step_s_saving - step_s) * save_every)
     plan = plan_tier("local", save_cost, restore_s=10.0, mtbf_s=mtbf, step_s=step_s, detect_restart_s=30.0)
     interval = plan.interval_steps or 1
     steps = interval * intervals + 5
@@ -307,7 +302,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[300, 2000], choices=sorted(MODELS))
     parser.add_argument("--repeats", type=int, default=5, help="alternating pairs per I/O ratio")
-    parser.add_argument("--trainer-steps", type=int, default=11, help="steps of each blocked-time job (save every 3)")
+    parser.add_argument("--trainer-steps", type=int, default=11, help="steps of each save-cost job (save every 3)")
+    parser.add_argument("--trainer-repeats", type=int, default=3, help="jobs per save-cost case (rotating order)")
     parser.add_argument("--intervals", type=int, default=2, help="planned intervals in the steps/s job")
     # The test RGW keeps objects in RAM (memstore): ~2 GB objects x repeats strain a 24 GB machine.
     parser.add_argument("--s3-sizes-mb", type=int, nargs="+", default=[300, 2000])
@@ -347,9 +343,7 @@ def main() -> int:
         small = results["blocked"][0]
         mode = small["best_mode"]
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as td:
-            results["steps"] = measure_steps(
-                Path(td), small[f"blocked_{mode}_s"], small[f"step_s_{mode}"], SAVE_EVERY, mode, args.intervals
-            )
+            results["steps"] = measure_steps(Path(td), small[f"cost_{mode}_s"], mode, args.intervals)
         results["steps"]["measured_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
         return _write(results, out, date)
     return _write(_measure(args, date), out, date)
@@ -371,15 +365,44 @@ def _measure(args: argparse.Namespace, date: str) -> dict[str, Any]:
         if "s3" in args.parts and os.environ.get("S3_ENDPOINT_URL"):
             results["s3"] = measure_s3(os.environ["S3_ENDPOINT_URL"], args.s3_sizes_mb, args.repeats)
         if "blocked" in args.parts or "steps" in args.parts:
-            results["blocked"] = [measure_blocked(work / "blocked", mb, args.trainer_steps) for mb in args.sizes_mb]
+            results["blocked"] = [
+                measure_blocked(work / "blocked", mb, args.trainer_steps, args.trainer_repeats) for mb in args.sizes_mb
+            ]
         if "steps" in args.parts:
             small = results["blocked"][0]
             mode = small["best_mode"]
-            results["steps"] = measure_steps(
-                work, small[f"blocked_{mode}_s"], small[f"step_s_{mode}"], SAVE_EVERY, mode, args.intervals
-            )
+            results["steps"] = measure_steps(work, small[f"cost_{mode}_s"], mode, args.intervals)
     results["measured_at"] = {part: now for part in ("io", "s3", "blocked", "steps") if results.get(part)}
     return results
+
+
+def save_cost_table(results: dict[str, Any]) -> str:
+    """Blocked time and step excess per save, per case and size: median [min-max] over the jobs."""
+
+    def cell(fig: dict[str, Any], unit: str = "s") -> str:
+        lo, hi = fig["spread"]
+        return f"{fig['median']:.3f} [{lo:.3f}-{hi:.3f}] {unit}".rstrip()
+
+    lines = ["| save cost | case | blocked | step excess | plain step | cost / plain step | jobs |", "|---" * 7 + "|"]
+    for b in results.get("blocked", []):
+        cost = b.get("save_cost")
+        if not cost:
+            continue
+        for name, c in cost["cases"].items():
+            lines.append(
+                f"| {b['size_mb']} MB | {name} | {cell(c['blocked_s'])} | {cell(c['step_excess_s'])} | "
+                f"{cell(c['plain_step_s'])} | {cell(c['cost_per_step'], '')} | {c['repeats']} |"
+            )
+        for name, why in cost["skipped"].items():
+            lines.append(f"| {b['size_mb']} MB | {name} | skipped: {why} | | | | |")
+        best = cost["default_mode"]
+        said = (
+            f"tier-1 mode with the smaller cost: {best['mode']}"
+            if best.get("mode")
+            else f"tier-1 modes within noise (median leans {best.get('smaller_median')}): default kept"
+        )
+        lines.append(f"| {b['size_mb']} MB | {said} | | | | | |")
+    return "\n".join(lines)
 
 
 def _write(results: dict[str, Any], out: Path, date: str) -> int:
@@ -392,6 +415,7 @@ def _write(results: dict[str, Any], out: Path, date: str) -> int:
         shown = "-" if value is None else f"{value:.3f}"
         met = "no" if value is None else ("yes" if _passes(name, value, note) else "no")
         print(f"| {name} | {where} | {shown} | {op} {goal:.3g} | {met} | {note} |")
+    print(save_cost_table(results))
     print(f"wrote {out / (date + '.json')} and {out / (date + '.png')}")
     return 0
 

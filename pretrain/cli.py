@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from pretrain.checkpointing.tiering_config import run_gc, run_upload
+from pretrain.commands.plan_command import add_plan_arguments
 from pretrain.config import load_config
 from pretrain.errors import ConfigError, DataError
 from tiering.cli import configure_logging
@@ -131,38 +132,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import json
+    from pretrain.commands.plan_command import run_plan
 
-    from pretrain.commands.plan import as_dict, format_plan, mtbf_from_failures, plan_capacity, plan_tier
-
-    if args.mtbf_hours is not None:
-        mtbf = args.mtbf_hours * 3600.0
-    elif args.failures is not None and args.days is not None and args.cluster_gpus and args.job_gpus:
-        mtbf = mtbf_from_failures(args.failures, args.days, args.cluster_gpus, args.job_gpus)
-    else:
-        print(
-            "pretrain plan: give --mtbf-hours or --failures/--days/--cluster-gpus/--job-gpus; fix: e.g. "
-            "--failures 466 --days 54 --cluster-gpus 16384 --job-gpus 1024 (Meta's Llama 3 fleet record)",
-            file=sys.stderr,
-        )
-        return 2
-    tiers = []
-    for spec in args.tier or ["local:1:30"]:
-        try:
-            name, save, restore = spec.split(":")
-            tiers.append(plan_tier(name, float(save), float(restore), mtbf, args.step_seconds, args.restart_seconds))
-        except ValueError as exc:
-            print(f"pretrain plan: --tier {spec!r}: {exc}; fix: NAME:SAVE_SECONDS:RESTORE_SECONDS", file=sys.stderr)
-            return 2
-    capacity = (
-        plan_capacity(
-            args.params, args.nodes, args.local_keep, args.replication, args.staging_keep, args.s3_keep, args.headroom
-        )
-        if args.params
-        else None
-    )
-    print(json.dumps(as_dict(tiers, capacity, mtbf), indent=2) if args.json else format_plan(tiers, capacity, mtbf))
-    return 0
+    return run_plan(args)
 
 
 def _drill(args: argparse.Namespace) -> int:
@@ -336,31 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_status)
 
     pl = sub.add_parser("plan", help="Young/Daly checkpoint intervals, projected goodput and storage capacity")
-    pl.add_argument("--mtbf-hours", type=float, help="the job's mean time between failures")
-    pl.add_argument(
-        "--failures",
-        type=int,
-        help="job interruptions seen on a fleet (e.g. 466, Meta's Llama 3 pre-training: 'The Llama 3 Herd of "
-        "Models', 2024) ...",
-    )
-    pl.add_argument("--days", type=float, help="... over this many days (e.g. 54, the same record) ...")
-    pl.add_argument("--cluster-gpus", type=int, help="... on this many GPUs (e.g. 16384 H100s, the same record)")
-    pl.add_argument("--job-gpus", type=int, help="GPUs this job uses")
-    pl.add_argument(
-        "--tier", action="append", metavar="NAME:SAVE_S:RESTORE_S", help="measured blocked save and restore seconds"
-    )
-    pl.add_argument("--step-seconds", type=float, help="seconds per training step (intervals in steps)")
-    pl.add_argument("--restart-seconds", type=float, default=60.0, help="detection + restart, before the restore")
-    pl.add_argument("--params", type=float, help="model parameters, for the capacity estimate")
-    pl.add_argument("--nodes", type=int, default=1)
-    pl.add_argument("--local-keep", type=int, default=2)
-    pl.add_argument("--replication", type=int, default=2)
-    pl.add_argument("--staging-keep", type=int, default=2)
-    pl.add_argument("--s3-keep", type=int, default=5)
-    pl.add_argument(
-        "--headroom", type=float, default=0.25, help="fraction added to every storage estimate (0.25: +25 %%)"
-    )
-    pl.add_argument("--json", action="store_true")
+    add_plan_arguments(pl)
     pl.set_defaults(func=_plan)
 
     dr = sub.add_parser(

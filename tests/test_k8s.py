@@ -2,7 +2,8 @@
 Kubernetes OpenAPI schemas in strict mode; the JobSet against its CRD's schema; cross-object
 consistency (replicas = NNODES, grace period > emergency save, configs that load, every name a pod
 references exists in the render); what a trainer pod needs from its node (/dev/shm in memory, the
-NVMe mount, no hostPath that creates its directory); failure domains from node labels; lifecycle
+NVMe mount, no hostPath that creates its directory, tier 0 in a memory volume sized by `pretrain
+plan`); failure domains from node labels; lifecycle
 (OnDelete, PDB, priority, disruptions not counted); one identity per job and a securityContext on
 every container; the IAM policy."""
 
@@ -22,6 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pretrain.commands.plan import plan_memory_tier
+from pretrain.commands.plan_model import model_size
 from pretrain.config import load_config, validate
 from tests.helpers import REPO
 
@@ -336,6 +339,41 @@ def test_every_trainer_pod_has_shm_in_memory_and_the_nvme_mount(overlay: str) ->
         nvme_path = env_of(trainer)["LOCAL_NVME"]
         nvme = volumes[mounts[nvme_path]]
         assert nvme["hostPath"]["type"] == "Directory", pod.owner
+
+
+def quantity_bytes(q: str) -> int:
+    """A Kubernetes memory quantity in bytes (the binary suffixes the manifests use)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tier0_is_a_memory_volume_at_its_dir_sized_by_pretrain_plan(overlay: str, tmp_path: Path) -> None:
+    """checkpoint.memory.dir is an emptyDir {medium: Memory} whose sizeLimit is what `pretrain plan`
+    prints for the pod's config at the render's node and rank counts, within the memory limit."""
+    docs = build(overlay)
+    cm = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].startswith("pretrain-config"))
+    (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
+    cfg = load_config(tmp_path / "config.yaml")
+    mem = cfg.checkpoint.memory
+    assert mem.enabled, f"{overlay}: tier 0 is off"
+    nproc = int(env_configmap(docs)["NPROC_PER_NODE"])
+    for pod in trainer_pods(docs):
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        trainer = next(c for c in pod.spec["containers"] if c["name"] == "trainer")
+        mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
+        tier0 = volumes[mounts[mem.dir]]  # KeyError: tier 0 would fill the container's own layer
+        assert tier0["emptyDir"]["medium"] == "Memory", pod.owner
+        assert mounts[mem.dir] != mounts["/dev/shm"], "tier 0 apart from NCCL's /dev/shm"
+        nodes = int(env_of(trainer)["NNODES"])
+        size = model_size(cfg, nodes * nproc)
+        plan = plan_memory_tier(
+            size.state_bytes_per_rank, nproc, mem.slots, cfg.checkpoint.replication.factor - 1, None, None
+        )
+        assert tier0["emptyDir"]["sizeLimit"] == plan.size_limit, f"{pod.owner}: fix: set it to {plan.size_limit}"
+        shm = volumes[mounts["/dev/shm"]]["emptyDir"]["sizeLimit"]
+        limit = quantity_bytes(trainer["resources"]["limits"]["memory"])
+        assert limit > quantity_bytes(plan.size_limit) + quantity_bytes(shm), f"{pod.owner}: tmpfs pages count"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -21,7 +21,9 @@ import pytest
 import yaml
 from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 
-from pretrain.config import load_config
+from pretrain.commands.plan import plan_memory_tier
+from pretrain.commands.plan_model import model_size
+from pretrain.config import MemoryTierConfig, load_config
 from pretrain.errors import STOP_EXIT_CODE
 from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for, read_jsonl
 
@@ -245,6 +247,20 @@ def test_the_h100_ft_config_is_nvrx_valid_and_times_every_section_the_rank_progr
     warning = int(re.search(r"--signal=B:USR1@(\d+)", SBATCH.read_text()).group(1))
     # The save and ft_launcher's stop (+10 s in pretrain launch) end before the trap's requeue (-10 s).
     assert emergency + 10 <= warning - 10 and emergency < ft.rank_section_timeouts["checkpointing"]
+
+
+def test_the_sbatch_sizes_tier0_in_dev_shm_as_pretrain_plan_does() -> None:
+    """Tier 0's default dir is the node's /dev/shm, and the RAM the sbatch quotes for the 8B config
+    is what `pretrain plan` prints for it on 4 nodes x 8 GPUs."""
+    text = SBATCH.read_text()
+    assert MemoryTierConfig().dir.startswith("/dev/shm/") and MemoryTierConfig().dir in text
+    cfg = load_config(REPO / "configs" / "gpt-8b-h100.yaml")
+    size = model_size(cfg, 4 * 8)
+    plan = plan_memory_tier(size.state_bytes_per_rank, 8, cfg.checkpoint.memory.slots, 1, None, None)
+    quoted = re.search(
+        r"prints as tier 0's \"RAM per node\".*?: ([\d.]+) GB for\s+#\s+configs/gpt-8b-h100.yaml", text, re.S
+    )
+    assert quoted and float(quoted.group(1)) == round(plan.ram_per_node_bytes / 1e9, 2)
 
 
 def _rank_program_sources() -> str:
