@@ -53,15 +53,25 @@ def _steps(root: Path, rank: int) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in d.glob("step-*") if ".tmp" not in p.name)
 
 
+IDENTICAL_STATE_RUN = {"train.steps": 20, "checkpoint.reshardable.interval": 10}
+
+
+@pytest.fixture(scope="module")
+def synchronous_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """The synchronous-save job both background modes are compared with (run once, not per mode)."""
+    job = tmp_path_factory.mktemp("sync")
+    torchrun(job, 2, overrides_for(job, corpus, **IDENTICAL_STATE_RUN, **{"checkpoint.async.enabled": "false"}))
+    return job
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fork", "thread"])
-def test_background_and_synchronous_saves_hold_identical_state(tmp_path: Path, corpus: Path, mode: str) -> None:
-    common = {"train.steps": 20, "checkpoint.reshardable.interval": 10}
-    runs = {}
-    for name, extra in (("sync", {"checkpoint.async.enabled": "false"}), (mode, {"checkpoint.async.mode": mode})):
-        job = tmp_path / name
-        torchrun(job, 2, overrides_for(job, corpus, **common, **extra))
-        runs[name] = job
+def test_background_and_synchronous_saves_hold_identical_state(
+    tmp_path: Path, corpus: Path, synchronous_run: Path, mode: str
+) -> None:
+    job = tmp_path / mode
+    torchrun(job, 2, overrides_for(job, corpus, **IDENTICAL_STATE_RUN, **{"checkpoint.async.mode": mode}))
+    runs = {"sync": synchronous_run, mode: job}
     for rank in (0, 1):
         for step in (10, 20):
             a, b = (
