@@ -98,7 +98,7 @@ def build_session(
     """Collective. The rank monitor connects first: the ``setup`` section covers the rest and the restore.
     ``check_storage``: refuse a reshardable tier that not every rank sees (training writes it;
     ``pretrain evaluate`` only reads)."""
-    monitor = RankMonitor(cfg)
+    monitor = RankMonitor(cfg.fault_tolerance)
     monitor.start("setup")  # ends once the restore is done
     if phases is not None:
         phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)

@@ -215,7 +215,7 @@ class PerRankCheckpoints:
         entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
         try:
             entry["manifest"] = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-            fault = writer_fault(self.cfg, self.rank, step)
+            fault = writer_fault(self.cfg.fault_tolerance.inject, self.rank, step)
             payload = self._payload(state)
             mode = self._async_mode()
             if self._keep_host_copy and mode == "fork":  # the thread writer's own copy serves instead
@@ -445,7 +445,7 @@ def build_per_rank_checkpoints(
     keep = cfg.checkpoint.local.keep
 
     def before_accept(owner: int, step: int) -> None:  # the deliberate fault of a receiving peer
-        maybe_die_while_receiving(cfg, rank, owner, step, record_event)
+        maybe_die_while_receiving(cfg.fault_tolerance.inject, rank, owner, step, record_event)
 
     replicator = PeerReplicator(
         cfg.run.id, rank, placement.holders, node_root, transport, replication_coll, keep, attempt, before_accept
