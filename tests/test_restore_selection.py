@@ -55,7 +55,7 @@ def _cfg(tmp: Path, *settings: str) -> Config:
 def _state(cfg: Config) -> TrainingState:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    optimizer = CpuAdamW(cfg, model)
+    optimizer = CpuAdamW(cfg.optimizer, model)
     sampler = GlobalBatchSampler(1000, cfg.data.global_batch_size, cfg.data.micro_batch_size, 0, 1, cfg.train.seed)
     return TrainingState(cfg, model, optimizer, build_scheduler(cfg, optimizer), sampler, dict(TOPOLOGY), "snap")
 
