@@ -36,7 +36,7 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.config import Config
+from pretrain.config import Config, ReplicationConfig
 from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
@@ -439,7 +439,7 @@ def build_per_rank_checkpoints(
     gather on ``coll``), then the replicator and the recovery on ``transport`` and
     ``replication_coll`` (the replication group, whose waits are bounded on their own). In one
     process: ``Transport(None, ...)`` and ``SingleProcess()`` (a rank with no peers sends nothing)."""
-    placement = agree_placement(cfg, coll)
+    placement = agree_placement(cfg.checkpoint.replication, cfg.source, coll)
     rank = coll.rank
     node_root = Path(cfg.checkpoint.local.dir) / cfg.run.id
     keep = cfg.checkpoint.local.keep
@@ -472,18 +472,18 @@ def build_per_rank_checkpoints(
     return PerRankCheckpoints(cfg, coll, attempt, topology, placement, replicator, recovery, record_event, phases)
 
 
-def agree_placement(cfg: Config, coll: Collective) -> Placement:
-    """Collective: every rank's node and failure domain, and the holders of each rank's replicas."""
-    rep = cfg.checkpoint.replication
+def agree_placement(rep: ReplicationConfig, source: str, coll: Collective) -> Placement:
+    """Collective: every rank's node and failure domain, and the holders of each rank's replicas
+    (``source``: the config file, named by a refusal)."""
     node = node_name(rep.node)
     launcher = (os.environ.get("GROUP_RANK", "0"), socket.gethostname())
     rows = coll.all_gather((node, failure_domain(node, rep.domains), launcher))
-    _refuse_shared_node_names(cfg, [(name, host) for name, _, host in rows])
+    _refuse_shared_node_names(source, [(name, host) for name, _, host in rows])
     identities = [RankIdentity(r, n, d) for r, (n, d, _) in enumerate(rows)]
     try:
         holders = replica_holders(identities, rep.factor, rep.allow_same_domain)
     except PlacementError as exc:
-        raise ConfigError(f"{cfg.source}: {exc}") from exc
+        raise ConfigError(f"{source}: {exc}") from exc
     return Placement(node, identities, holders)
 
 
@@ -514,7 +514,7 @@ def rank_payload(state: TrainingState, rank: int) -> dict[str, Any]:
     }
 
 
-def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]]]) -> None:
+def _refuse_shared_node_names(source: str, rows: list[tuple[str, tuple[str, str]]]) -> None:
     """Ranks of different launchers (nodes) must not report the same node name: replicas would be
     placed, and a lost node's copies looked for, on the wrong node (restores found no step)."""
     seen: dict[str, tuple[str, str]] = {}
@@ -522,7 +522,7 @@ def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]
         other = seen.setdefault(node, launcher)
         if other[0] != launcher[0]:
             raise ConfigError(
-                f"{cfg.source}: node {other[0]} (host {other[1]}) and node {launcher[0]} (host {launcher[1]}) both "
+                f"{source}: node {other[0]} (host {other[1]}) and node {launcher[0]} (host {launcher[1]}) both "
                 f"report node name {node!r}; fix: set NODE_NAME to a unique name per node (Kubernetes: the "
                 "downward API's spec.nodeName; Slurm: SLURMD_NODENAME is set per node) or leave "
                 "checkpoint.replication.node unset"
