@@ -18,7 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pretrain.config import Config, padded_vocab_size
+from pretrain.config import Config, ModelConfig, ParallelConfig, padded_vocab_size
 
 
 class SDPACoreAttention(MegatronModule):
@@ -78,14 +78,13 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_spec_name(cfg: Config) -> str:
-    if cfg.model.spec == "auto":
+def resolve_spec_name(model: ModelConfig) -> str:
+    if model.spec == "auto":
         return "te" if transformer_engine_usable() else "local"
-    return cfg.model.spec
+    return model.spec
 
 
-def transformer_config(cfg: Config) -> TransformerConfig:
-    m, p = cfg.model, cfg.parallel
+def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
     bf16 = m.precision == "bf16"
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -120,10 +119,10 @@ def transformer_config(cfg: Config) -> TransformerConfig:
     )
 
 
-def layer_spec(cfg: Config):
-    if resolve_spec_name(cfg) == "te":
+def layer_spec(model: ModelConfig):
+    if resolve_spec_name(model) == "te":
         return get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False)
-    spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, normalization=cfg.model.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, normalization=model.normalization)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
@@ -132,7 +131,7 @@ def build_model(cfg: Config, tconfig: TransformerConfig) -> GPTModel:
     """One GPTModel chunk for this rank's pipeline stage (no virtual pipeline)."""
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(cfg.model),
         vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -34,7 +34,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from pretrain.config import Config
+from pretrain.config import Config, OptimizerConfig, ParallelConfig
 
 
 class TrainOptimizer(Protocol):
@@ -67,8 +67,7 @@ def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
 class CpuAdamW:
     """torch AdamW over DDP ``main_grad`` with TP/PP-aware global-norm clipping."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
-        o = cfg.optimizer
+    def __init__(self, o: OptimizerConfig, model: torch.nn.Module) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if not _no_weight_decay(n, p)]
         no_decay = [p for n, p in named if _no_weight_decay(n, p)]
@@ -140,11 +139,12 @@ class CpuAdamW:
 class MegatronDistributedOptimizer:
     """Megatron's DistributedOptimizer (CUDA): sharded fp32 master weights and Adam state."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    def __init__(self, o: OptimizerConfig, precision: str, model: torch.nn.Module) -> None:
+        """``o``: the optimizer section; ``precision``: model.precision (bf16 keeps fp32 master weights)."""
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
 
-        o = cfg.optimizer
-        ocfg = OptimizerConfig(
+        ocfg = MegatronOptimizerConfig(
             optimizer="adam",
             lr=o.lr,
             min_lr=o.min_lr,
@@ -153,7 +153,7 @@ class MegatronDistributedOptimizer:
             adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
-            bf16=cfg.model.precision == "bf16",
+            bf16=precision == "bf16",
             params_dtype=torch.float32,
             use_distributed_optimizer=True,
         )
@@ -263,13 +263,15 @@ def step_zero_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     return {"optimizer": {k: v for k, v in inner.items() if k != "state"} | {"param_groups": groups}}
 
 
-def uses_distributed_optimizer(cfg: Config) -> bool:
-    mode = cfg.parallel.distributed_optimizer
+def uses_distributed_optimizer(parallel: ParallelConfig) -> bool:
+    mode = parallel.distributed_optimizer
     return mode == "on" or (mode == "auto" and torch.cuda.is_available())
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> TrainOptimizer:
-    return MegatronDistributedOptimizer(cfg, model) if uses_distributed_optimizer(cfg) else CpuAdamW(cfg, model)
+    if uses_distributed_optimizer(cfg.parallel):
+        return MegatronDistributedOptimizer(cfg.optimizer, cfg.model.precision, model)
+    return CpuAdamW(cfg.optimizer, model)
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> float:

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from pretrain.checkpointing.shared_storage import check_shared
 from pretrain.checkpointing.state import TrainingState
 from pretrain.checkpointing.tiered import TieredCheckpointer
-from pretrain.config import Config, data_parallel_size
+from pretrain.config import Config, ParallelConfig, data_parallel_size
 from pretrain.data.dataset import GlobalBatchSampler, build_datasets, snapshot_id
 from pretrain.model import build_model, resolve_spec_name, transformer_config
 from pretrain.observability.runlog import RunLog
@@ -64,9 +64,11 @@ def _init_model_parallel(cfg: Config) -> None:
     )
 
 
-def _wrap_ddp(cfg: Config, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
+def _wrap_ddp(parallel: ParallelConfig, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=uses_distributed_optimizer(cfg)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=uses_distributed_optimizer(parallel),
     )
     ddp = DistributedDataParallel(tconfig, ddp_config, model)
     tconfig.finalize_model_grads_func = finalize_model_grads
@@ -89,7 +91,7 @@ def _training_state(
         dp,
         cfg.train.seed,
     )
-    return TrainingState(cfg, model, optimizer, scheduler, sampler, topology, snapshot_id(cfg))
+    return TrainingState(cfg, model, optimizer, scheduler, sampler, topology, snapshot_id(cfg.data))
 
 
 def build_session(
@@ -98,7 +100,7 @@ def build_session(
     """Collective. The rank monitor connects first: the ``setup`` section covers the rest and the restore.
     ``check_storage``: refuse a reshardable tier that not every rank sees (training writes it;
     ``pretrain evaluate`` only reads)."""
-    monitor = RankMonitor(cfg)
+    monitor = RankMonitor(cfg.fault_tolerance)
     monitor.start("setup")  # ends once the restore is done
     if phases is not None:
         phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)
@@ -110,14 +112,14 @@ def build_session(
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     dataset, valid = build_datasets(cfg)
-    tconfig = transformer_config(cfg)
+    tconfig = transformer_config(cfg.model, cfg.parallel)
     model = build_model(cfg, tconfig)
-    ddp = _wrap_ddp(cfg, tconfig, model)
+    ddp = _wrap_ddp(cfg.parallel, tconfig, model)
     state = _training_state(cfg, world, model, ddp, len(dataset))
     if rank == 0:
         log.info(
             "model: %s spec, %d params on rank 0, topology %s, %d samples/epoch",
-            resolve_spec_name(cfg),
+            resolve_spec_name(cfg.model),
             sum(t.numel() for t in model.parameters()),
             state.topology,
             len(dataset),

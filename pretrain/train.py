@@ -76,7 +76,7 @@ def train(cfg: Config) -> RunSummary:
     cuda = torch.cuda.is_available()
     validate(cfg, world, cuda)  # before any process group exists
     cpu_shims.install()
-    phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg))
+    phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg.fault_tolerance.inject))
     phases.mark_signals_until_replaced()
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     phases.enter("startup")
@@ -124,7 +124,7 @@ def _restore(session: Session, ctx: AttemptContext, checkpointer: CheckpointMana
     )
     if restored is not None:
         ctx.metrics.loaded(restored.tier, restored.seconds)
-        maybe_poison_restored(session.cfg, restored.step, session.state.model)
+        maybe_poison_restored(session.cfg.fault_tolerance.inject, restored.step, session.state.model)
     if ctx.phases is not None:
         ctx.phases.enter("first_steps", restored=restored.step if restored else None)
     if session.monitor.load_state_dict(session.state.extra.get("ft", {})):
@@ -217,7 +217,7 @@ class TrainingLoop:
         self.step_started = time.perf_counter()
         monitor.start("step")
         node = s.tiers.local.node if s.tiers.local is not None else None
-        maybe_inject_fault(cfg, s.rank, step, s.runlog.event, node=node)
+        maybe_inject_fault(cfg.fault_tolerance.inject, s.rank, step, s.runlog.event, node=node)
         s.ddp.zero_grad_buffer()
         state.optimizer.zero_grad()
         microbatches = state.sampler.microbatches(s.dataset, state.consumed_samples)

@@ -134,7 +134,7 @@ def _manager(tmp: Path, tiers: Tiers, *settings: str) -> tuple[CheckpointManager
     report = SaveReport(tiers, runlog, TrainingMetrics("t"), records, 0, cfg.checkpoint.on_save_error == "stop")
     watch = PreemptionWatch([signal.SIGUSR2], timeout_s=5.0, on_deadline=lambda name: None)
     state = State()
-    manager = CheckpointManager(cfg, tiers, state, report, RankMonitor(cfg), watch)  # type: ignore[arg-type]
+    manager = CheckpointManager(cfg, tiers, state, report, RankMonitor(cfg.fault_tolerance), watch)  # type: ignore[arg-type]
     return manager, state, watch
 
 

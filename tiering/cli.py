@@ -32,7 +32,8 @@ from tiering.layout import RunLayout, parse_tmp_name
 from tiering.manifest import MANIFEST_NAME, Manifest
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier, StepStatus
-from tiering.remote import RemoteTier, default_owner
+from tiering.remote import RemoteTier
+from tiering.remote_lease import default_owner
 from tiering.slot_store import SlotStore, is_slot_dir, parse_rank_dir
 from tiering.uploader import Backoff, Uploader, UploaderMetrics
 from tiering.verify import verify_step

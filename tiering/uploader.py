@@ -27,7 +27,8 @@ from tiering.layout import parse_step_name
 from tiering.manifest import COMMITTED_NAME
 from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier
-from tiering.remote import RemoteTier, UploadResult
+from tiering.remote import RemoteTier
+from tiering.remote_upload import UploadResult
 
 log = logging.getLogger(__name__)
 

@@ -83,7 +83,7 @@ class CheckpointManager:
         saved_local = False
         if due:
             self.monitor.start("checkpointing")  # judged by the checkpointing timeout, not the step's
-            maybe_slow_save(self.cfg, step)
+            maybe_slow_save(self.cfg.fault_tolerance.inject, step)
         for tier in due:
             if self.background:
                 self._start_background(tier, step)

@@ -5,6 +5,12 @@ trainer state and its RNG/data cursor) into one ``state.pt`` under the publish p
 own primary store; then the bytes go to ``checkpoint.replication.factor - 1`` peers in other
 failure domains, which verify them against the owner's manifest before committing the replica.
 Loading needs the same topology; another topology falls back to the reshardable tier.
+
+:class:`PerRankCheckpoints` receives the parts that talk to other ranks, behind typed seams (as
+NVRx's local checkpoint manager receives its replication strategy): a :class:`Replicator` and a
+:class:`Recovery`, with the :class:`Placement` they share. :func:`build_per_rank_checkpoints` is
+where a job builds them (called by :mod:`pretrain.checkpointing.tiered`); a test in one process
+builds the same parts on ``SingleProcess``.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,12 +36,12 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.config import Config
+from pretrain.config import Config, ReplicationConfig
 from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
 from pretrain.resilience.phases import PhaseRecord
-from tiering.collective import Collective, SingleProcess, TorchCollective
+from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError, TieringError
 from tiering.fsio import dir_size, write_file_durably
@@ -42,7 +49,7 @@ from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
 from tiering.publish import PosixStepPublisher
-from tiering.replication import PeerReplicator, primary_store, replica_store
+from tiering.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
 from tiering.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,32 @@ STATE_FILE = "state.pt"
 _HOST_COPIES: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
 
 
+class Replicator(Protocol):
+    """Copies this rank's published step to its holders and receives the steps it holds
+    (:class:`tiering.replication.PeerReplicator`). Collective over every rank."""
+
+    owners_held: list[int]  # the ranks whose replicas this rank holds
+    coll: Collective  # its own group: a background publish runs its collectives there
+
+    def replicate(self, step: int, published: Path | None) -> ReplicationReport: ...
+
+
+class Recovery(Protocol):
+    """Finds, verifies (quarantining bad copies) and if needed fetches the newest step every rank
+    can obtain from tiers 1-2 (:class:`tiering.peer_restore.PeerRecovery`). Collective."""
+
+    def recover(self) -> PeerPlanResult: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank runs and where every rank's replicas go, agreed by every rank."""
+
+    node: str
+    identities: list[RankIdentity]  # every rank's node and failure domain, by rank
+    holders: dict[int, list[int]]  # owner rank -> the ranks that hold its replicas
+
+
 class PerRankCheckpoints:
     name = "local"
 
@@ -64,10 +97,16 @@ class PerRankCheckpoints:
         coll: Collective,
         attempt: str,
         topology: dict[str, int],
-        replication_group: Any,
+        placement: Placement,
+        replicator: Replicator,
+        recovery: Recovery,
         record_event: Any = None,
         phases: PhaseRecord | None = None,
     ) -> None:
+        """Tiers 1-2 of this rank: its own store under ``checkpoint.local.dir``, and the parts it is
+        handed (built by :func:`build_per_rank_checkpoints` in a job; by a test in one process):
+        where every rank and its replicas are (``placement``), what copies a published step to its
+        holders (``replicator``) and what finds the newest step every rank can obtain (``recovery``)."""
         self.cfg = cfg
         self.phases = phases
         self.coll = coll
@@ -90,47 +129,11 @@ class PerRankCheckpoints:
         ipc = cfg.fault_tolerance.inprocess
         # For in-process restarts; tier 0 (checkpoint.memory) is that host copy when enabled.
         self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.enabled
-        rep = cfg.checkpoint.replication
-        self.node = node_name(rep.node)
-        launcher = (os.environ.get("GROUP_RANK", "0"), socket.gethostname())
-        rows = coll.all_gather((self.node, failure_domain(self.node, rep.domains), launcher))
-        _refuse_shared_node_names(cfg, [(node, launcher) for node, _, launcher in rows])
-        self.identities = [RankIdentity(r, n, d) for r, (n, d, _) in enumerate(rows)]
-        try:
-            self.holders = replica_holders(self.identities, rep.factor, rep.allow_same_domain)
-        except PlacementError as exc:
-            raise ConfigError(f"{cfg.source}: {exc}") from exc
-        transport = Transport(replication_group, rep.timeout_s)
-        self.replicator = PeerReplicator(
-            self.run_id,
-            self.rank,
-            self.holders,
-            self.node_root,
-            transport,
-            TorchCollective(replication_group),
-            self.keep,
-            attempt,
-            before_accept=self._maybe_die_while_receiving,
-        )
-        self.recovery = PeerRecovery(
-            self.run_id,
-            self.rank,
-            self.world,
-            self.node,
-            self.node_root,
-            coll,
-            transport,
-            topology,
-            self.keep,
-            attempt,
-            on_phase=phases.enter if phases is not None else lambda phase: None,
-        )
-        if self.rank == 0:
-            log.info(
-                "replica placement (owner -> holders): %s; domains: %s",
-                self.holders,
-                {i.rank: i.domain for i in self.identities},
-            )
+        self.node = placement.node
+        self.identities = placement.identities
+        self.holders = placement.holders
+        self.replicator = replicator
+        self.recovery = recovery
 
     def stores(self) -> list[Any]:
         """The tier 1-2 stores on this rank: its own steps and the replicas it holds for peers."""
@@ -212,7 +215,7 @@ class PerRankCheckpoints:
         entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
         try:
             entry["manifest"] = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-            fault = writer_fault(self.cfg, self.rank, step)
+            fault = writer_fault(self.cfg.fault_tolerance.inject, self.rank, step)
             payload = self._payload(state)
             mode = self._async_mode()
             if self._keep_host_copy and mode == "fork":  # the thread writer's own copy serves instead
@@ -380,9 +383,6 @@ class PerRankCheckpoints:
     def _payload(self, state: TrainingState) -> dict[str, Any]:
         return rank_payload(state, self.rank)
 
-    def _maybe_die_while_receiving(self, owner: int, step: int) -> None:
-        maybe_die_while_receiving(self.cfg, self.rank, owner, step, self._record_event)
-
     # -- restore ---------------------------------------------------------------------------------
     def committed_inventory(self) -> list[str]:
         """Committed tier 1-2 steps on this rank's node, every owner's primaries and replicas (any
@@ -425,6 +425,68 @@ class PerRankCheckpoints:
         return dir_size(self.store.step_path(step))
 
 
+def build_per_rank_checkpoints(
+    cfg: Config,
+    coll: Collective,
+    attempt: str,
+    topology: dict[str, int],
+    transport: Transport,
+    replication_coll: Collective,
+    record_event: Any = None,
+    phases: PhaseRecord | None = None,
+) -> PerRankCheckpoints:
+    """Tiers 1-2 of this rank as a job builds them: the placement agreed by every rank (one
+    gather on ``coll``), then the replicator and the recovery on ``transport`` and
+    ``replication_coll`` (the replication group, whose waits are bounded on their own). In one
+    process: ``Transport(None, ...)`` and ``SingleProcess()`` (a rank with no peers sends nothing)."""
+    placement = agree_placement(cfg.checkpoint.replication, cfg.source, coll)
+    rank = coll.rank
+    node_root = Path(cfg.checkpoint.local.dir) / cfg.run.id
+    keep = cfg.checkpoint.local.keep
+
+    def before_accept(owner: int, step: int) -> None:  # the deliberate fault of a receiving peer
+        maybe_die_while_receiving(cfg.fault_tolerance.inject, rank, owner, step, record_event)
+
+    replicator = PeerReplicator(
+        cfg.run.id, rank, placement.holders, node_root, transport, replication_coll, keep, attempt, before_accept
+    )
+    recovery = PeerRecovery(
+        cfg.run.id,
+        rank,
+        coll.world_size,
+        placement.node,
+        node_root,
+        coll,
+        transport,
+        topology,
+        keep,
+        attempt,
+        on_phase=phases.enter if phases is not None else lambda phase: None,
+    )
+    if rank == 0:
+        log.info(
+            "replica placement (owner -> holders): %s; domains: %s",
+            placement.holders,
+            {i.rank: i.domain for i in placement.identities},
+        )
+    return PerRankCheckpoints(cfg, coll, attempt, topology, placement, replicator, recovery, record_event, phases)
+
+
+def agree_placement(rep: ReplicationConfig, source: str, coll: Collective) -> Placement:
+    """Collective: every rank's node and failure domain, and the holders of each rank's replicas
+    (``source``: the config file, named by a refusal)."""
+    node = node_name(rep.node)
+    launcher = (os.environ.get("GROUP_RANK", "0"), socket.gethostname())
+    rows = coll.all_gather((node, failure_domain(node, rep.domains), launcher))
+    _refuse_shared_node_names(source, [(name, host) for name, _, host in rows])
+    identities = [RankIdentity(r, n, d) for r, (n, d, _) in enumerate(rows)]
+    try:
+        holders = replica_holders(identities, rep.factor, rep.allow_same_domain)
+    except PlacementError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    return Placement(node, identities, holders)
+
+
 def apply_payload(state: TrainingState, payload: dict[str, Any], where: Path) -> None:
     """Load a per-rank payload (tier 0 or tiers 1-2: the same format) into the training state."""
     apply_trainer_state(state, payload["trainer"], where)
@@ -452,7 +514,7 @@ def rank_payload(state: TrainingState, rank: int) -> dict[str, Any]:
     }
 
 
-def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]]]) -> None:
+def _refuse_shared_node_names(source: str, rows: list[tuple[str, tuple[str, str]]]) -> None:
     """Ranks of different launchers (nodes) must not report the same node name: replicas would be
     placed, and a lost node's copies looked for, on the wrong node (restores found no step)."""
     seen: dict[str, tuple[str, str]] = {}
@@ -460,7 +522,7 @@ def _refuse_shared_node_names(cfg: Config, rows: list[tuple[str, tuple[str, str]
         other = seen.setdefault(node, launcher)
         if other[0] != launcher[0]:
             raise ConfigError(
-                f"{cfg.source}: node {other[0]} (host {other[1]}) and node {launcher[0]} (host {launcher[1]}) both "
+                f"{source}: node {other[0]} (host {other[1]}) and node {launcher[0]} (host {launcher[1]}) both "
                 f"report node name {node!r}; fix: set NODE_NAME to a unique name per node (Kubernetes: the "
                 "downward API's spec.nodeName; Slurm: SLURMD_NODENAME is set per node) or leave "
                 "checkpoint.replication.node unset"

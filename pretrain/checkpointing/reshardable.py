@@ -316,7 +316,7 @@ class ReshardableCheckpoints:
                 trainer["topology"],
                 state.topology,
             )
-        reseed_after_reshard(self.cfg, state.step, self.coll.rank)
+        reseed_after_reshard(self.cfg.train, state.step, self.coll.rank)
         return False
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import Config, resolve_vocab_size
+from pretrain.config import Config, DataConfig, TrainConfig, resolve_vocab_size
 from pretrain.data.dataset import GlobalBatchSampler
 from pretrain.data.tokenizer import tokenizer_identity
 from pretrain.errors import IncompatibleCheckpoint
@@ -102,7 +102,7 @@ def trainer_state(state: TrainingState) -> dict[str, Any]:
 
 def apply_trainer_state(state: TrainingState, trainer: dict[str, Any], path: Path) -> None:
     check_compatible(state.cfg, trainer, path)
-    check_same_tokenizer(state.cfg, trainer, path)
+    check_same_tokenizer(state.cfg.data, trainer, path)
     state.scheduler.load_state_dict(trainer["scheduler"])
     state.step = trainer["step"]
     state.consumed_samples = trainer["consumed_samples"]
@@ -141,13 +141,13 @@ def check_compatible(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
         )
 
 
-def check_same_tokenizer(cfg: Config, trainer: dict[str, Any], path: Path) -> None:
+def check_same_tokenizer(data: DataConfig, trainer: dict[str, Any], path: Path) -> None:
     """A run resumes only with the tokenizer it was trained with (same kind and file digest); the
     same vocabulary size is not enough (ids would mean other text)."""
     saved = trainer.get("tokenizer")
     if not saved:  # saved before tokenizer identities were recorded
         return
-    now = _tokenizer_identity(cfg.data.tokenizer, cfg.data.tokenizer_path)
+    now = _tokenizer_identity(data.tokenizer, data.tokenizer_path)
     if (saved.get("kind"), saved.get("sha256")) != (now.get("kind"), now.get("sha256")):
         raise IncompatibleCheckpoint(
             f"{path}: trained with tokenizer {saved.get('kind')} {saved.get('file') or ''} "
@@ -156,9 +156,9 @@ def check_same_tokenizer(cfg: Config, trainer: dict[str, Any], path: Path) -> No
         )
 
 
-def reseed_after_reshard(cfg: Config, step: int, rank: int) -> None:
+def reseed_after_reshard(train: TrainConfig, step: int, rank: int) -> None:
     """Per-rank RNG streams cannot be carried to another topology: re-seed deterministically."""
-    seed_everything(cfg.train.seed + 7919 * step + rank)
+    seed_everything(train.seed + 7919 * step + rank)
 
 
 def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **extra: Any) -> Manifest:

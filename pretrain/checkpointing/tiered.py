@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.checkpointing.memory_tier import MemoryTier
-from pretrain.checkpointing.per_rank import PerRankCheckpoints
+from pretrain.checkpointing.per_rank import PerRankCheckpoints, build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
@@ -22,12 +22,13 @@ from pretrain.config import Config, s3_owner
 from pretrain.errors import FreshStartRefused
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.phases import PhaseRecord
-from tiering.collective import Collective
+from tiering.collective import Collective, TorchCollective
 from tiering.errors import LeaseError
 from tiering.fsio import atomic_write_bytes
 from tiering.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
 from tiering.peer_restore import PeerPlanResult, PeerRestore
 from tiering.remote import RemoteTier
+from tiering.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,10 @@ class TieredCheckpointer:
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=cfg.checkpoint.replication.timeout_s)
             )
-            self.local = PerRankCheckpoints(cfg, coll, attempt, topology, group, record_event, phases)
+            transport = Transport(group, cfg.checkpoint.replication.timeout_s)
+            self.local = build_per_rank_checkpoints(
+                cfg, coll, attempt, topology, transport, TorchCollective(group), record_event, phases
+            )
         if cfg.checkpoint.reshardable.enabled:
             self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event, phases=phases)
 

@@ -13,7 +13,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from torch.utils.data import Dataset
 
-from pretrain.config import Config, resolve_vocab_size
+from pretrain.config import Config, DataConfig, resolve_vocab_size
 from pretrain.data.blend import BlendedSamples
 from pretrain.data.prepare import checked_token_ids, dataset_snapshot_id
 from pretrain.data.tokenizer import load_tokenizer
@@ -70,10 +70,10 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset | None]:
     return train, valid
 
 
-def snapshot_id(cfg: Config) -> str:
+def snapshot_id(data: DataConfig) -> str:
     """Identity of the training data: the index digest of ``data.prefix``, or of every blended
     dataset with its weight."""
-    parts = cfg.data.prefixes()
+    parts = data.prefixes()
     if len(parts) == 1:
         return dataset_snapshot_id(parts[0][0])
     joined = ";".join(f"{dataset_snapshot_id(p)}*{w}" for p, w in parts)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Config
+from pretrain.config import Config, FaultToleranceConfig, MetricsConfig
 from pretrain.errors import JobStopped, PreemptedError
 from pretrain.observability.metrics import MetricsServer, TrainingMetrics
 from pretrain.observability.runlog import run_dir
@@ -57,9 +57,9 @@ class AttemptContext:
     on_abort: list[Callable[[], None]] = field(default_factory=list)
 
 
-def _stop_decision(cfg: Config, records: AttemptLog) -> str | None:
+def _stop_decision(ft: FaultToleranceConfig, records: AttemptLog) -> str | None:
     """Rank 0: the reason to stop the job now (the same failure repeating without progress)."""
-    limit = cfg.fault_tolerance.max_consecutive_failures_without_progress
+    limit = ft.max_consecutive_failures_without_progress
     stalled = failures_without_progress(records.history)
     if stalled < limit:
         return None
@@ -84,13 +84,13 @@ def _refuse_if_stopped(rank: int, rdir: Path, coll: Collective) -> None:
         raise JobStopped(refused)
 
 
-def _metrics_server(cfg: Config, metrics: TrainingMetrics) -> MetricsServer | None:
-    if not cfg.metrics.enabled:
+def _metrics_server(settings: MetricsConfig, metrics: TrainingMetrics) -> MetricsServer | None:
+    if not settings.enabled:
         return None
     try:
-        return MetricsServer(metrics, cfg.metrics.host, cfg.metrics.port)
+        return MetricsServer(metrics, settings.host, settings.port)
     except OSError as exc:  # metrics must never stop training
-        log.warning("metrics: cannot serve on %s:%d (%s); continuing without", cfg.metrics.host, cfg.metrics.port, exc)
+        log.warning("metrics: cannot serve on %s:%d (%s); continuing without", settings.host, settings.port, exc)
         return None
 
 
@@ -104,7 +104,7 @@ def open_attempt(cfg: Config, rank: int, world: int, coll: Collective, phases: P
     _refuse_if_stopped(rank, rdir, coll)
     records = AttemptLog(rdir, enabled=rank == 0)
     records.begin(attempt, world, hosts, restart_counters())
-    decision = _stop_decision(cfg, records) if rank == 0 else None
+    decision = _stop_decision(cfg.fault_tolerance, records) if rank == 0 else None
     if decision:
         write_stop(rdir, decision, attempt=records.record.get("attempt"))
         records.end("stopped", None, stop_reason=decision)
@@ -132,7 +132,7 @@ def open_attempt(cfg: Config, rank: int, world: int, coll: Collective, phases: P
     server = None
     if rank == 0:
         metrics.from_history(records.history)
-        server = _metrics_server(cfg, metrics)
+        server = _metrics_server(cfg.metrics, metrics)
     return AttemptContext(attempt, rank, rdir, records, watch, metrics, previous_failure, phases, server)
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from pretrain.config import Config
+from pretrain.config import FaultInjectionConfig
 from pretrain.resilience.phases import parse_holds
 from pretrain.resilience.restarts import first_attempt, launcher_restart_count
 
@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 RecordEvent = Callable[..., None]  # RunLog.event
 
 
-def maybe_inject_fault(cfg: Config, rank: int, step: int, record: RecordEvent, node: str | None = None) -> None:
+def maybe_inject_fault(
+    inj: FaultInjectionConfig, rank: int, step: int, record: RecordEvent, node: str | None = None
+) -> None:
     """At the start of ``step``: the configured exception, SIGKILL or hang of this rank."""
-    inj = cfg.fault_tolerance.inject
     chosen = inj.kill_rank == rank or (inj.kill_node is not None and inj.kill_node == node)
     first = first_attempt() or inj.every_attempt
     if inj.raise_at_step == step and (inj.raise_rank < 0 or (inj.raise_rank == rank and first)):
@@ -63,9 +64,10 @@ def maybe_inject_fault(cfg: Config, rank: int, step: int, record: RecordEvent, n
             time.sleep(3600)
 
 
-def maybe_die_while_receiving(cfg: Config, rank: int, owner: int, step: int, record: RecordEvent | None) -> None:
+def maybe_die_while_receiving(
+    inj: FaultInjectionConfig, rank: int, owner: int, step: int, record: RecordEvent | None
+) -> None:
     """SIGKILL this rank while it receives ``owner``'s replica of ``step`` (first attempt only)."""
-    inj = cfg.fault_tolerance.inject
     if inj.kill_during_replication_rank != rank or inj.kill_at_step != step or launcher_restart_count() != 0:
         return
     if record is not None:
@@ -74,31 +76,28 @@ def maybe_die_while_receiving(cfg: Config, rank: int, owner: int, step: int, rec
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def writer_fault(cfg: Config, rank: int, step: int) -> str | None:
+def writer_fault(inj: FaultInjectionConfig, rank: int, step: int) -> str | None:
     """The fault the background tier-1 writer of ``step`` on ``rank`` must simulate, if any."""
-    inj = cfg.fault_tolerance.inject
     return inj.writer_fault if inj.writer_fault_at_step == step and inj.writer_fault_rank == rank else None
 
 
-def maybe_slow_save(cfg: Config, step: int) -> None:
-    inj = cfg.fault_tolerance.inject
+def maybe_slow_save(inj: FaultInjectionConfig, step: int) -> None:
     if inj.slow_save_at_step == step and inj.slow_save_seconds > 0:
         log.warning("fault injection: the save of step %d takes %.1f s longer", step, inj.slow_save_seconds)
         time.sleep(inj.slow_save_seconds)
 
 
-def maybe_poison_restored(cfg: Config, restored_step: int, model: torch.nn.Module) -> None:
+def maybe_poison_restored(inj: FaultInjectionConfig, restored_step: int, model: torch.nn.Module) -> None:
     """A checkpoint that verifies but is poisoned (a NaN weight), every time it is restored."""
-    if cfg.fault_tolerance.inject.poison_restored_step != restored_step:
+    if inj.poison_restored_step != restored_step:
         return
     log.warning("fault injection: step %d restored with a NaN weight", restored_step)
     with torch.no_grad():
         next(p for p in model.parameters() if p.numel() > 0).view(-1)[0] = float("nan")
 
 
-def phase_hold(cfg: Config) -> Callable[[str], None]:
+def phase_hold(inj: FaultInjectionConfig) -> Callable[[str], None]:
     """What a rank does on entering a phase: hold ``hold_seconds`` where ``hold_at`` names it."""
-    inj = cfg.fault_tolerance.inject
     holds, seconds = parse_holds(inj.hold_at), inj.hold_seconds
 
     def hold(phase: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
 
-from pretrain.config import Config
+from pretrain.config import FaultToleranceConfig
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +26,16 @@ class RankMonitor:
     in the checkpoint, so a restarted group starts with measured timeouts.
     """
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, ft: FaultToleranceConfig) -> None:
         self.client = None
-        self.calculate_after = cfg.fault_tolerance.calculate_timeouts_after
+        self.calculate_after = ft.calculate_timeouts_after
         self.calculated = False
         self._open: set[str] = set()
         self.wedged = False  # the launcher's rank monitor refused this rank (see _first_message)
         # Set by the trainer: true once a preemption signal arrived. Slurm and Kubernetes signal
         # every process, so NVRx's rank monitor may die before this rank reaches its emergency save.
         self.leaving: Callable[[], bool] = lambda: False
-        if cfg.fault_tolerance.enabled and os.environ.get(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR):
+        if ft.enabled and os.environ.get(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR):
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
             self._first_message()

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.checkpoint) / "model"
     cfg = config(args.mode, Path(tempfile.gettempdir()), "reshard", CPU_MODEL)
     seed_everything(cfg.train.seed)
-    model = build_model(cfg, transformer_config(cfg))
+    model = build_model(cfg, transformer_config(cfg.model, cfg.parallel))
     saved = dist_checkpointing.load_tensors_metadata(str(model_dir))
     wanted = targets(model.sharded_state_dict(), saved)
     loaded = dist_checkpointing.load(dict(wanted), str(model_dir))

@@ -188,8 +188,8 @@ class Drive:
         base = config(self.mode, self.workdir, "baseline", [])
         self.result |= {
             "device": torch.cuda.get_device_name(0) if self.mode == "cuda" else "cpu",
-            "spec": resolve_spec_name(base),
-            "distributed_optimizer": uses_distributed_optimizer(base),
+            "spec": resolve_spec_name(base.model),
+            "distributed_optimizer": uses_distributed_optimizer(base.parallel),
             "precision": base.model.precision,
             "steps": base.train.steps,
             "fault_step": FAULT_STEP[self.mode],

@@ -1,0 +1,114 @@
+"""Upload of a published local step to an object store, and the ``latest.json`` hint.
+
+Order: every object (resumable: one already there with the right size and digest is kept), a size
+check of each, ``manifest.json``, ``COMMITTED`` (bound to the manifest), then ``latest.json``
+(a conditional write: it never moves back). The local step is verified while its objects upload; a
+step that fails is never committed (its objects stay uncommitted garbage for GC). Called by
+:class:`tiering.remote.RemoteTier` (the uploader, benchmarks); it never deletes an object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiering.errors import CheckpointError, ObjectNotFound, VerificationError
+from tiering.layout import step_name
+from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
+from tiering.objectstore import PreconditionFailed
+from tiering.remote_run import RemoteRun
+from tiering.verify import committed_marker, read_manifest, verify_step
+
+LATEST_NAME = "latest.json"
+
+
+@dataclass
+class UploadResult:
+    step: int
+    bytes: int
+    seconds: float
+    skipped_objects: int = 0
+
+
+def upload_step(run: RemoteRun, step_dir: Path) -> UploadResult:
+    """Upload one verified local step (see the module docstring for the order)."""
+    t0 = time.perf_counter()
+    manifest = read_manifest(step_dir)
+    if manifest.run_id != run.run_id:
+        raise VerificationError(
+            step_dir / MANIFEST_NAME, f"manifest belongs to run {manifest.run_id!r}, not {run.run_id!r}"
+        )
+    raw = (step_dir / MANIFEST_NAME).read_bytes()
+    step = manifest.step
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-upload") as checker:
+        verified = checker.submit(verify_step, step_dir, expect_run_id=run.run_id)
+        skipped = _put_objects(run, step_dir, manifest)
+        verified.result()  # raises VerificationError: nothing below happens
+    for entry in manifest.files:
+        info = run.store.head(run.step_key(step, entry.path))
+        if info is None or info.size != entry.bytes:
+            raise CheckpointError(
+                f"{run.where(run.step_key(step, entry.path))}: uploaded object has size "
+                f"{info.size if info else 'missing'}, manifest says {entry.bytes}; retrying"
+            )
+    run.store.put_bytes(run.step_key(step, MANIFEST_NAME), raw)
+    run.store.put_bytes(run.step_key(step, COMMITTED_NAME), committed_marker(step, raw))
+    update_latest(run, step)
+    return UploadResult(step, manifest.total_bytes, time.perf_counter() - t0, skipped)
+
+
+def _put_objects(run: RemoteRun, step_dir: Path, manifest: Manifest) -> int:
+    """Upload every file of the step; returns how many were already there (same size and digest)."""
+    existing = {o.key for o in run.store.list(run.step_key(manifest.step) + "/")}
+    skipped = 0
+    for entry in manifest.files:
+        key = run.step_key(manifest.step, entry.path)
+        have = run.store.head(key) if key in existing else None
+        if have is not None and have.size == entry.bytes and have.digest == entry.identity:
+            skipped += 1  # left by an interrupted upload of this same step: keep it
+            continue
+        run.store.put_file(key, step_dir / entry.path, entry.identity)
+    return skipped
+
+
+def update_latest(run: RemoteRun, step: int, attempts: int = 5) -> None:
+    """Point latest.json at ``step`` unless it already names a newer one (conditional write)."""
+    key = run.key(LATEST_NAME)
+    body = json.dumps({"step": step, "path": f"steps/{step_name(step)}"}).encode()
+    for _ in range(attempts):
+        try:
+            raw, etag = run.store.get_bytes(key)
+        except ObjectNotFound:
+            try:
+                run.store.put_bytes(key, body, if_none_match=True)
+                return
+            except PreconditionFailed:
+                continue
+        try:
+            current = int(json.loads(raw)["step"])
+        except (ValueError, KeyError, TypeError):
+            current = -1
+        if current >= step:
+            return
+        try:
+            run.store.put_bytes(key, body, if_match=etag)
+            return
+        except PreconditionFailed:
+            continue  # another writer moved it: re-read and decide again
+    raise CheckpointError(f"{run.where(key)}: could not update after {attempts} conflicting writers")
+
+
+def latest_hint(run: RemoteRun) -> int | None:
+    """The step latest.json names, or None (absent or unreadable: it is only a hint)."""
+    try:
+        raw, _ = run.store.get_bytes(run.key(LATEST_NAME))
+    except ObjectNotFound:
+        return None
+    try:
+        step = json.loads(raw)["step"]
+    except (KeyError, ValueError, TypeError):  # only a hint: an unreadable one is ignored
+        return None
+    return step if isinstance(step, int) else None
