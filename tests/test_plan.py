@@ -120,8 +120,8 @@ def test_the_derived_parameter_count_and_state_bytes_equal_the_built_model(varia
     cfg = load_config(str(TINY), VARIANTS[variant])
     size = model_size(cfg, world_size=1)
     with one_rank_megatron(tmp_path):
-        model = build_model(cfg, transformer_config(cfg))
-        optimizer = CpuAdamW(cfg, model)
+        model = build_model(cfg, transformer_config(cfg.model, cfg.parallel))
+        optimizer = CpuAdamW(cfg.optimizer, model)
         built = sum(p.numel() for p in model.parameters())
         tensors = list(model.state_dict().values()) + [
             t for s in optimizer.opt.state.values() for k, t in s.items() if k != "step"
