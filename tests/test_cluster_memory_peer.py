@@ -50,6 +50,9 @@ def _start(cluster: Cluster, index: int, work: Path, corpus: Path) -> subprocess
         "checkpoint.replication.allow_same_domain": "false",
         "checkpoint.memory.enabled": "true",
         "checkpoint.memory.dir": str(memory),
+        # A send must finish before its slot comes round again (slots - 1 steps): on this shared
+        # 2-core machine a step is ~0.5 s and the stream thread is starved at times.
+        "checkpoint.memory.slots": 4,
     }
     skip = ("checkpoint.local.dir", "run.id")  # pretrain launch sets them from LOCAL_NVME / RUN_ID
     over = [o for o in overrides_for(work, corpus, **COMMON, **extra) if not o.startswith(skip)]
@@ -65,14 +68,14 @@ def test_a_lost_nodes_rank_restores_from_the_peers_tier0_bit_exact(tmp_path: Pat
     try:
         with Cluster(work, 2) as cluster:
             procs = {i: _start(cluster, i, work, corpus) for i in range(2)}
-            wait_metric_step(run_dir, LOSS_AFTER, list(procs.values()))
+            wait_metric_step(run_dir, LOSS_AFTER, list(procs.values()), timeout=600)
             last_before_loss = max(r["step"] for r in metric_rows(run_dir))
             cluster.link(1, up=False)
             cluster.kill(1)
             cluster.remove(1)  # its NVMe and its tier-0 directory are gone with it
             cluster.add(1)
             procs[1] = _start(cluster, 1, work, corpus)
-            codes = wait_exit(procs, timeout=400)
+            codes = wait_exit(procs, timeout=600)
             assert codes == {0: 0, 1: 0}, (work / "node-0.log").read_text()[-3000:]
         assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]
     finally:
