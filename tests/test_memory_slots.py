@@ -171,7 +171,7 @@ def test_a_torn_slot_is_never_loaded_the_other_slot_is(memory_tier: MemoryTier) 
     # A kill mid-write: the header was invalidated, half the payload written, no seal.
     store.write_payload(1, lambda fh: fh.write(b"\0" * 1000), fresh_inode=False)
     found, rejected = memory_tier.find_restorable(-1, set())
-    assert found == (5, 0) and rejected == []
+    assert found is not None and (found.step, found.slot, found.tier) == (5, 0, "memory") and rejected == []
 
 
 def test_a_flipped_byte_in_a_sealed_slot_is_caught_quarantined_and_the_older_slot_used(
@@ -182,7 +182,7 @@ def test_a_flipped_byte_in_a_sealed_slot_is_caught_quarantined_and_the_older_slo
     _write_sealed(store, 1, 6, 2)
     flip_byte(store.state_path(1))
     found, rejected = memory_tier.find_restorable(-1, set())
-    assert found == (5, 0)
+    assert found is not None and (found.step, found.slot) == (5, 0)
     assert len(rejected) == 1 and rejected[0][0] == 6 and "does not match manifest" in rejected[0][1]
     assert "chunk" in rejected[0][1]
     assert (store.quarantine_dir / "slot-1" / "REASON").read_text().strip() == rejected[0][1].split(": ", 2)[2]
@@ -203,7 +203,8 @@ def test_slots_of_another_run_or_older_than_tier1_are_not_used(memory_tier: Memo
     store = memory_tier.store
     _write_sealed(store, 0, 9, 3, run_id="someone-else")
     _write_sealed(store, 1, 6, 2)
-    assert memory_tier.find_restorable(-1, set())[0] == (6, 1)
+    found = memory_tier.find_restorable(-1, set())[0]
+    assert found is not None and (found.step, found.slot) == (6, 1)
     assert memory_tier.find_restorable(7, set())[0] is None  # tier 1 holds step 7: newest wins
 
 

@@ -3,7 +3,7 @@
 * ``tiering ls DIR``: steps of a run directory (``<tier root>/<run id>``) or of every run under a
   tier root: state, size, age, the container image it was written from, the hash its files are
   checked with (from its manifest) and whether it verifies. A tier-0 root (``checkpoint.memory.dir``,
-  or one run in it) lists every rank's slots instead.
+  or one run in it) lists every rank's slots instead, and the peer copies held there (``peer/K``).
 * ``tiering verify STEP_DIR``: exit 0 if the step verifies, 1 (with the reason) if not (a tier-0
   slot directory is a step directory too).
 * ``tiering upload URI --run-id ID --staging-dir DIR``: promote committed staging steps to the
@@ -34,7 +34,7 @@ from tiering.objectstore import ObjectStoreError
 from tiering.posix import PosixTier, StepStatus
 from tiering.remote import RemoteTier
 from tiering.remote_lease import default_owner
-from tiering.slot_store import SlotStore, is_slot_dir, parse_rank_dir
+from tiering.slot_store import PEERS_DIR, SlotStore, is_slot_dir, parse_rank_dir
 from tiering.uploader import Backoff, Uploader, UploaderMetrics
 from tiering.verify import verify_step
 
@@ -146,30 +146,42 @@ def _memory_runs(path: Path) -> list[Path]:
 
 
 def _slot_rows(run: Path, verify: bool) -> list[dict[str, object]]:
+    """Every rank's own slots, then the peer copies held here (``slot`` shown as ``peer/K``)."""
     rows: list[dict[str, object]] = []
-    for rank_dir in sorted(p for p in run.iterdir() if parse_rank_dir(p.name) is not None):
-        rank = parse_rank_dir(rank_dir.name)
-        assert rank is not None
-        slots = sorted(p for p in rank_dir.iterdir() if is_slot_dir(p))
-        store = SlotStore(run.parent, run.name, rank, len(slots))
-        for slot_dir in slots:
-            index = int(slot_dir.name.split("-")[1])
-            view = store.view(index)
-            payload = store.state_path(index)
-            row: dict[str, object] = {"rank": rank, "slot": index, "state": view.state.value, "step": view.step}
-            row.update(sequence=view.sequence, bytes=payload.stat().st_size if payload.is_file() else 0)
-            row["age_s"] = round(time.time() - payload.stat().st_mtime, 1) if payload.is_file() else None
-            row["verified"], row["reason"] = None, None
-            if verify and view.step is not None:
-                try:
-                    verify_step(slot_dir, expect_run_id=run.name)
-                    row["verified"] = True
-                except (VerificationError, OSError) as exc:
-                    row["verified"], row["reason"] = False, str(exc)
-            rows.append(row)
-        quarantined = rank_dir / "quarantine"
-        for bad in sorted(quarantined.iterdir()) if quarantined.is_dir() else []:
-            rows.append({"rank": rank, "slot": f"quarantine/{bad.name}", "state": "quarantined"})
+    for base, peer in ((run, False), (run / PEERS_DIR, True)):
+        for rank_dir in (
+            sorted(p for p in base.iterdir() if parse_rank_dir(p.name) is not None) if base.is_dir() else []
+        ):
+            rows += _rank_slot_rows(run, rank_dir, peer, verify)
+    return rows
+
+
+def _rank_slot_rows(run: Path, rank_dir: Path, peer: bool, verify: bool) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    rank = parse_rank_dir(rank_dir.name)
+    assert rank is not None
+    slots = sorted(p for p in rank_dir.iterdir() if is_slot_dir(p))
+    store = SlotStore(run.parent, run.name, rank, len(slots), peer=peer)
+    for slot_dir in slots:
+        index = int(slot_dir.name.split("-")[1])
+        view = store.view(index)
+        payload = store.state_path(index)
+        shown = f"peer/{index}" if peer else index
+        row: dict[str, object] = {"rank": rank, "slot": shown, "state": view.state.value, "step": view.step}
+        row.update(sequence=view.sequence, bytes=payload.stat().st_size if payload.is_file() else 0)
+        row["age_s"] = round(time.time() - payload.stat().st_mtime, 1) if payload.is_file() else None
+        row["verified"], row["reason"] = None, None
+        if verify and view.step is not None:
+            try:
+                verify_step(slot_dir, expect_run_id=run.name)
+                row["verified"] = True
+            except (VerificationError, OSError) as exc:
+                row["verified"], row["reason"] = False, str(exc)
+        rows.append(row)
+    quarantined = rank_dir / "quarantine"
+    for bad in sorted(quarantined.iterdir()) if quarantined.is_dir() else []:
+        where = f"peer/quarantine/{bad.name}" if peer else f"quarantine/{bad.name}"
+        rows.append({"rank": rank, "slot": where, "state": "quarantined"})
     return rows
 
 

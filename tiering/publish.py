@@ -242,7 +242,7 @@ def publish_received(
     """
     final = layout.step_dir(expect_step)
     try:
-        manifest = _check_received(received, final, expect_run_id, expect_step, expect_owner)
+        manifest = check_received(received, final, expect_run_id, expect_step, expect_owner)
         if final.exists():
             if (final / COMMITTED_NAME).is_file() and (final / MANIFEST_NAME).read_bytes() == received.manifest_raw:
                 shutil.rmtree(received.directory, ignore_errors=True)
@@ -259,8 +259,9 @@ def publish_received(
     return manifest
 
 
-def _check_received(received: ReceivedStep, final: Path, run_id: str, step: int, owner: int | None) -> Manifest:
-    """Header, manifest, file list, sizes and every chunk of a received step; the manifest."""
+def check_received(received: ReceivedStep, final: Path, run_id: str, step: int, owner: int | None) -> Manifest:
+    """Header, manifest, file list, sizes and every chunk of a received step; the manifest.
+    Raises :class:`ReplicaRejected` naming ``final``'s file; leaves ``received.directory`` as it is."""
     where = final / MANIFEST_NAME
     head = received.header
     claimed = (head.get("run_id"), head.get("step"), head.get("owner") if owner is not None else None)

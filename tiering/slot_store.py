@@ -1,4 +1,6 @@
-"""Tier-0 slot files: ``<root>/<run_id>/rank-NNNNN/slot-K/{state.pt, manifest.json, COMMITTED}``.
+"""Tier-0 slot files: ``<root>/<run_id>/rank-NNNNN/slot-K/{state.pt, manifest.json, COMMITTED}``,
+and the peer copies a rank holds for another rank: ``<root>/<run_id>/peers/rank-NNNNN/slot-K``
+(the owner's rank; the same layout, filled by :mod:`tiering.peer_slots`).
 
 A slot is a step directory in the manifest-v2 layout, so :func:`tiering.verify.verify_step` (and
 ``tiering verify``/``tiering ls``) read it like any other tier. The header is the pair
@@ -35,6 +37,7 @@ from tiering.slots import SlotView
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 STATE_FILE = "state.pt"
+PEERS_DIR = "peers"  # under a run's tier-0 directory: the copies held for other ranks
 _SLOT_RE = re.compile(r"^slot-(\d+)$")
 _RANK_RE = re.compile(r"^rank-(\d{5})$")
 
@@ -53,14 +56,17 @@ def is_slot_dir(path: Path) -> bool:
 
 
 class SlotStore:
-    """One rank's slots of one run under a tier-0 root (a tmpfs directory)."""
+    """One rank's slots of one run under a tier-0 root (a tmpfs directory); ``peer``: the copies of
+    ``rank``'s slots another rank holds (under ``peers/``)."""
 
-    def __init__(self, root: Path, run_id: str, rank: int, slots: int) -> None:
+    def __init__(self, root: Path, run_id: str, rank: int, slots: int, peer: bool = False) -> None:
         self.root = Path(root)
         self.run_id = run_id
         self.rank = rank
         self.slots = slots
-        self.rank_dir = self.root / run_id / rank_dir_name(rank)
+        self.peer = peer
+        run = self.root / run_id
+        self.rank_dir = (run / PEERS_DIR if peer else run) / rank_dir_name(rank)
 
     def slot_dir(self, index: int) -> Path:
         return self.rank_dir / f"slot-{index}"
@@ -137,6 +143,11 @@ class SlotStore:
     def seal(self, index: int, manifest: Manifest, digest: ChunkedDigest, sequence: int) -> None:
         """Write the header of a complete payload: the manifest, then ``COMMITTED`` (each atomic)."""
         manifest.files = [FileEntry.of(STATE_FILE, digest)]
+        self.seal_checked(index, manifest, sequence)
+
+    def seal_checked(self, index: int, manifest: Manifest, sequence: int) -> None:
+        """Seal a payload whose every chunk is known to match ``manifest.files`` (a copy received
+        from another rank and checked on arrival): the manifest, then ``COMMITTED``."""
         manifest.extra = {**manifest.extra, "tier": 0, "sequence": sequence, "slot": index, "rank": self.rank}
         raw = manifest.to_json()
         slot = self.slot_dir(index)

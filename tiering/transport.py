@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +232,7 @@ class Transport:
         self,
         outgoing: dict[int, OutgoingStep | None],
         incoming: dict[int, Path],
+        before_open: Callable[[int], None] | None = None,
     ) -> tuple[dict[int, ReceivedStep], dict[int, str]]:
         """Send a step (or None: nothing) to each peer in ``outgoing``; receive from each peer in
         ``incoming`` into the (new) directory named for it.
@@ -239,7 +240,9 @@ class Transport:
         Returns the steps received (peers that sent nothing are absent) and one error line per peer
         that failed, timed out, or whose copy could not be written here. A payload that could not
         be read as its manifest lists it has its ``failure`` set (it was sent anyway and its
-        receiver told, so that nobody waits for a timeout).
+        receiver told, so that nobody waits for a timeout). ``before_open(src)`` runs before the
+        directory for a peer that does send something is created (tier 0 unseals the slot it
+        receives into only then: a peer that sends nothing costs no copy).
         """
         errors: dict[int, str] = {}
         heads = self._exchange_headers(outgoing, list(incoming), errors)
@@ -247,6 +250,8 @@ class Transport:
         for n, (src, head) in enumerate(heads.items()):
             slots = self._slots(f"receive-{n}", max((min(size, p) for _, size, p in head["files"]), default=0))
             rx = _Incoming(src, head, incoming[src], _expected_digests(head), slots)
+            if before_open is not None:
+                before_open(src)
             rx.open()
             rx.start(self.group, self.timeout)
             receiving.append(rx)

@@ -4,8 +4,10 @@ Owns the tier-0 schedule (every ``interval`` steps), the background write of eac
 straight into the free slot (serialising the live tensors into the tmpfs file *is* the snapshot:
 no host copy is made first), the seal once the chunk digests are complete, the start-up memory
 check, turning the tier off when the tmpfs fills, and the tier-0 restore (agree on the newest step
-every rank holds, verify its chunks, map it). The slot files survive the rank process and an
-ft_launcher restart; they do not survive the node.
+every rank can obtain from its own slots or from the peer copy its tier-2 peer holds, verify its
+chunks, fetch the peer copies needed, map it). The slot files survive the rank process and an
+ft_launcher restart; the peer copies (:mod:`tiering.peer_slots`, offered to the stream once every
+rank sealed a slot) survive the node.
 
 Never: writes a disk, decides slot rotation itself (:mod:`tiering.slots`), touches slot files other
 than through :class:`tiering.slot_store.SlotStore`, or orders restores across tiers
@@ -37,9 +39,11 @@ from tiering.collective import Collective
 from tiering.digest import HashSpec
 from tiering.errors import PublishError, VerificationError
 from tiering.manifest import Manifest
+from tiering.peer_slots import Offer, PeerSlots, PeerStream
 from tiering.slot_store import SlotStore
-from tiering.slots import common_step, loadable, newer_than, next_sequence, slot_to_write
-from tiering.verify import VERIFY_THREADS
+from tiering.slots import SlotView, common_step, loadable, newer_than, next_sequence, slot_to_write
+from tiering.transport import Transport
+from tiering.verify import VERIFY_THREADS, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +77,21 @@ class _SlotWrite:
     done: threading.Event | None = None
 
 
+@dataclass(frozen=True)
+class Found:
+    """The step every rank can load from tier 0, this rank's slot holding it, and where it came
+    from (``memory``: its own slot; ``memory-peer``: fetched from the copy rank ``holder`` held)."""
+
+    step: int
+    slot: int
+    tier: str = "memory"
+    holder: int | None = None
+
+
 class MemoryTier:
     name = "memory"
 
-    def __init__(
-        self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int], peer_bytes: int = 0
-    ) -> None:
-        """``peer_bytes``: a peer's state this node also holds in its tmpfs (0 until peer copies)."""
+    def __init__(self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int]) -> None:
         mem = cfg.checkpoint.memory
         self.cfg = cfg
         self.coll = coll
@@ -87,7 +99,8 @@ class MemoryTier:
         self.attempt = attempt
         self.topology = topology
         self.interval = mem.interval
-        self.peer_bytes = peer_bytes
+        self.peers: PeerSlots | None = None
+        self._stream: PeerStream | None = None
         self.store = SlotStore(Path(mem.dir), cfg.run.id, coll.rank, mem.slots)
         integrity = cfg.checkpoint.integrity
         self.hashing = HashSpec(integrity.local_hash, integrity.chunk_bytes, integrity.hash_threads)
@@ -95,6 +108,12 @@ class MemoryTier:
         self._inflight: _SlotWrite | None = None
         self._sequence: int | None = None
         self._mapped: set[int] = set()  # slots a loaded state may still map: rewritten on a new inode
+
+    def attach_peers(self, holders: dict[int, list[int]], transport: Transport) -> None:
+        """Stream each sealed slot to ``holders[rank]`` and hold the copies of the owners whose
+        holder this rank is (both on the peer stream's own group: ``transport``)."""
+        peers = PeerSlots(self.store, holders, transport, VERIFY_THREADS)
+        self.peers = peers if peers.holders_of_mine or peers.owners_held else None
 
     # -- the CheckpointTier protocol ---------------------------------------------------------------
     def due(self, step: int, final: bool) -> bool:
@@ -183,16 +202,45 @@ class MemoryTier:
         if failed:
             raise PublishError(f"step {job.step} not sealed in tier 0: rank {failed[0][0]}: {failed[0][1]}")
         seconds = time.perf_counter() - job.t0
+        skipped = self._offer_to_peer(job)
         return SaveResult(
-            self.name, job.step, seconds, job.nbytes, self.store.slot_dir(job.slot), blocked_seconds=job.blocked
+            self.name,
+            job.step,
+            seconds,
+            job.nbytes,
+            self.store.slot_dir(job.slot),
+            blocked_seconds=job.blocked,
+            peer_skipped=skipped,
         )
+
+    def _offer_to_peer(self, job: _SlotWrite) -> int:
+        """Every rank sealed ``job``'s slot: offer it to the peer stream (never waits, except for
+        the final step, whose copy every rank finishes before the run ends). Returns the slots the
+        stream skipped since the last call."""
+        if self.peers is None:
+            return 0
+        if self._stream is None:
+            self._stream = PeerStream(self.peers).start()
+        self._stream.offer(Offer(job.step, job.slot, job.sequence))
+        if job.step == self.cfg.train.steps:
+            timeout = 4 * self.cfg.checkpoint.replication.timeout_s
+            if not self._stream.close(drain=True, timeout=timeout):
+                log.warning("rank %d: the final tier-0 peer copy did not finish within %ds", self.rank, timeout)
+            skipped = self._stream.take_skipped()
+            self._stream = None
+            return skipped
+        return self._stream.take_skipped()
 
     def abandon_async(self) -> None:
         """Leaving after a failure: a tmpfs write cannot hang on a device, so let it finish (and
-        seal: its state is complete) rather than leave a slot half-written behind."""
+        seal: its state is complete) rather than leave a slot half-written behind. The peer
+        stream drops the rounds it still owed (the job is failing; its peers time out)."""
         job, self._inflight = self._inflight, None
         if job is not None and job.done is not None:
             job.done.wait(timeout=60)
+        if self._stream is not None:
+            self._stream.close(drain=False, timeout=1.0)
+            self._stream = None
 
     def _write(self, job: _SlotWrite, staged: dict[str, Any], manifest: Manifest, fresh_inode: bool) -> None:
         """On the writer thread: payload into the slot, the chunk digests of the file, the seal."""
@@ -209,7 +257,8 @@ class MemoryTier:
     # -- start-up --------------------------------------------------------------------------------
     def check_capacity(self, state: TrainingState) -> None:
         """Collective: refuse to start (ConfigError, one line on every rank) when the tmpfs cannot
-        hold ``slots x (own + peer)`` state for every rank of this node that shares it."""
+        hold ``slots x (own + peer)`` state for every rank of this node that shares it (peer: the
+        states of the ranks whose copies it holds)."""
         mem = self.cfg.checkpoint.memory
         root = Path(mem.dir)
         try:
@@ -222,16 +271,19 @@ class MemoryTier:
                 "writable tmpfs (/dev/shm) or set checkpoint.memory.enabled=false"
             ) from exc
         own = tensor_bytes(rank_payload(state, self.rank)) + PAYLOAD_SLACK_BYTES
-        rows = self.coll.all_gather((where, own, st.f_bavail * st.f_frsize, self.store.held_bytes()))
-        mine = [r for r in rows if r[0] == where]
-        need = sum(mem.slots * (o + self.peer_bytes) for _, o, _, _ in mine)
-        have = min(f for _, _, f, _ in mine) + sum(h for _, _, _, h in mine)
+        owners = self.peers.owners_held if self.peers is not None else []
+        held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
+        rows = self.coll.all_gather((where, own, st.f_bavail * st.f_frsize, held, owners))
+        sizes = [r[1] for r in rows]
+        mine = [(o, sum(sizes[p] for p in ps)) for w, o, _, _, ps in rows if w == where]  # (own, peer) per rank
+        need = sum(mem.slots * (o + p) for o, p in mine)
+        have = min(r[2] for r in rows if r[0] == where) + sum(r[3] for r in rows if r[0] == where)
         error = None
         if need > have:
-            biggest = max(o for _, o, _, _ in mine)
+            biggest = max(mine, key=lambda m: m[0] + m[1])
             error = (
                 f"{self.cfg.source}: checkpoint.memory.dir {root} has {_gib(have)} free for tier 0, but {len(mine)} "
-                f"rank(s) on this node need {mem.slots} slots x (own {_gib(biggest)} + peer {_gib(self.peer_bytes)}) "
+                f"rank(s) on this node need {mem.slots} slots x (own {_gib(biggest[0])} + peer {_gib(biggest[1])}) "
                 f"= {_gib(need)}; fix: give the container at least {_gib(need)} of shared memory (docker run "
                 f"--shm-size, Kubernetes emptyDir {{medium: Memory, sizeLimit}}) or set checkpoint.memory.enabled=false"
             )
@@ -240,23 +292,57 @@ class MemoryTier:
             raise ConfigError(failed)
 
     # -- restore ---------------------------------------------------------------------------------
-    def find_restorable(self, floor: int, suspect: set[int]) -> tuple[tuple[int, int] | None, list[tuple[int, str]]]:
-        """Collective: the newest step every rank holds in a sealed slot of this run, no older than
-        ``floor`` and not suspect, verified chunk by chunk on every rank: ``((step, slot), rejected)``.
-        A slot that fails verification is quarantined; the ranks then agree on the next step."""
-        candidates = loadable(self.store.views(), self.cfg.run.id, floor, suspect)
+    def find_restorable(self, floor: int, suspect: set[int]) -> tuple[Found | None, list[tuple[int, str]]]:
+        """Collective: the newest step every rank can obtain from tier 0, from its own sealed slot
+        or else from the copy its peer holds, no older than ``floor`` and not suspect. Own slots
+        are verified chunk by chunk on every rank (a bad one is quarantined); a rank without a good
+        own slot has the peer copy sent over and checked (:meth:`PeerSlots.fetch`). Where a step
+        fails for any rank the ranks agree on the next one: ``(found, rejected)``."""
+        own = loadable(self.store.views(), self.cfg.run.id, floor, suspect)
+        held = self.peers.held_steps(floor, suspect) if self.peers is not None else {}
+        rows = self.coll.all_gather(([v.step for v in own], held))
+        copies: dict[int, dict[int, set[int]]] = {}  # owner -> holder -> steps it holds
+        for holder, (_, by_owner) in enumerate(rows):
+            for owner, steps in by_owner.items():
+                copies.setdefault(int(owner), {})[holder] = set(steps)
         rejected: list[tuple[int, str]] = []
+        dropped: set[int] = set()
         while True:
-            step = common_step(self.coll.all_gather([v.step for v in candidates]))
+            step = common_step([_obtainable(set(r[0]), copies.get(n, {})) - dropped for n, r in enumerate(rows)])
             if step is None:
                 return None, rejected
-            slot = next(v.index for v in candidates if v.step == step)
-            reason = self._check_slot(slot)
+            found, reason = self._obtain(step, own, copies)
             reasons = self.coll.all_gather(reason)
             if not any(reasons):
-                return (step, slot), rejected
+                assert found is not None
+                return found, rejected
             rejected += [(step, f"rank {r}: tier 0: {e}") for r, e in enumerate(reasons) if e]
-            candidates = [v for v in candidates if v.step != step]
+            dropped.add(step)
+
+    def _obtain(
+        self, step: int, own: list[SlotView], copies: dict[int, dict[int, set[int]]]
+    ) -> tuple[Found | None, str | None]:
+        """Collective: this rank's slot of ``step``, its own (verified) or fetched from a peer."""
+        slot = next((v.index for v in own if v.step == step and self.store.view(v.index) == v), None)
+        reason = self._check_slot(slot) if slot is not None else "no sealed own slot"
+        needs = self.coll.all_gather(reason is not None)
+        plan = {}
+        for owner, need in enumerate(needs):
+            holders = sorted(h for h, steps in copies.get(owner, {}).items() if step in steps)
+            if need and holders:
+                plan[owner] = holders[0]
+            elif need:
+                return None, reason if owner == self.rank else None
+        if not plan:
+            return Found(step, slot) if slot is not None else None, reason
+        assert self.peers is not None, "a peer copy is planned only where peers are attached"
+        outcome = self.peers.fetch(step, plan)
+        if self.rank not in plan:
+            return Found(step, slot) if slot is not None else None, outcome.error
+        if outcome.slot is None:
+            return None, f"{reason}; {outcome.error}" if slot is not None else outcome.error
+        topology = self._topology_error(outcome.slot)
+        return Found(step, outcome.slot, "memory-peer", plan[self.rank]), topology
 
     def _check_slot(self, slot: int) -> str | None:
         """Why this rank cannot load ``slot`` (None: every chunk verified, same topology)."""
@@ -269,6 +355,14 @@ class MemoryTier:
             return reason
         except OSError as exc:
             return f"{exc.filename or self.store.slot_dir(slot)}: {exc.strerror or exc}"
+        return self._topology_error(slot, manifest)
+
+    def _topology_error(self, slot: int, manifest: Manifest | None = None) -> str | None:
+        """Why a verified slot was saved at another topology (None: this one)."""
+        try:
+            manifest = manifest or read_manifest(self.store.slot_dir(slot))
+        except (VerificationError, OSError) as exc:
+            return str(exc)
         parallelism = {k: v for k, v in self.topology.items() if k != "world_size"}
         if manifest.world_size != self.topology["world_size"] or manifest.parallelism != parallelism:
             return f"{self.store.slot_dir(slot)}: saved at another topology ({manifest.world_size} ranks)"
@@ -282,17 +376,31 @@ class MemoryTier:
         return path
 
     def invalidate_newer(self, step: int) -> list[int]:
-        """Unseal slots newer than the step the run resumes from (an abandoned timeline)."""
+        """Unseal slots newer than the step the run resumes from (an abandoned timeline), the
+        peer copies held here included; returns the own slots unsealed."""
         newer = newer_than(self.store.views(), self.cfg.run.id, step)
         for index in newer:
             self.store.invalidate(index)
+        for held in self.peers.invalidate_newer(step) if self.peers is not None else []:
+            log.warning("rank %d: tier-0 peer copy %s superseded: the run resumed from step %d", self.rank, held, step)
         return newer
 
     def invalidate_step(self, step: int) -> None:
-        """Unseal every slot holding ``step`` (a suspect step: never restored again)."""
-        for view in self.store.views():
-            if view.step == step and view.run_id == self.cfg.run.id:
-                self.store.invalidate(view.index)
+        """Unseal every slot holding ``step``, own or held for a peer (a suspect step: never
+        restored again)."""
+        stores = [self.store, *(self.peers.held.values() if self.peers is not None else [])]
+        for store in stores:
+            for view in store.views():
+                if view.step == step and view.run_id == self.cfg.run.id:
+                    store.invalidate(view.index)
+
+
+def _obtainable(own: set[int], held_by: dict[int, set[int]]) -> set[int]:
+    """Steps a rank can load from tier 0: its own sealed slots and every copy a peer holds of it."""
+    out = set(own)
+    for steps in held_by.values():
+        out |= steps
+    return out
 
 
 def tensor_bytes(payload: Any) -> int:

@@ -51,6 +51,8 @@ class SaveReport:
         # Tier 0 saves every step or so: its event is not fsynced (the next one supersedes it).
         self.runlog.event("save", durable=saved.tier != "memory", **{k: getattr(saved, k) for k in fields})
         self.records.progress(current_step, **{f"last_saved_{saved.tier}": saved.step})
+        if saved.peer_skipped:  # the stream's own log line says so; the metric counts every slot
+            self.metrics.save_skipped("memory_peer", saved.peer_skipped)
         if self.rank == 0 and saved.tier != "memory":  # tier 0 saves every step or so: its log is the event
             extra = f" + replication {saved.replication_seconds:.2f}s" if saved.tier == "local" else ""
             blocked = f" (training blocked {saved.blocked_seconds:.3f}s)" if saved.blocked_seconds is not None else ""

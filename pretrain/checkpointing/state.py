@@ -67,6 +67,7 @@ class SaveResult:
     under_replicated: list[int] = field(default_factory=list)
     replication_seconds: float = 0.0
     blocked_seconds: float | None = None  # training's share of the save (background saves: the snapshot)
+    peer_skipped: int = 0  # tier 0: sealed slots the peer stream skipped (it fell behind) since the last save
 
 
 @dataclass

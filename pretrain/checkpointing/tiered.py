@@ -1,5 +1,5 @@
-"""When each tier saves, and the recovery order: own tier 0 (memory) -> own local copy -> peer
-replica -> reshardable tier -> S3; the newest step every rank can obtain wins."""
+"""When each tier saves, and the recovery order: own tier 0 (memory) -> the peer's tier 0 -> own
+local copy -> peer replica -> reshardable tier -> S3; the newest step every rank can obtain wins."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ from tiering.remote import RemoteTier
 from tiering.transport import Transport
 
 log = logging.getLogger(__name__)
+
+# Tier 0's peer stream sends in 16 MiB pieces: its buffers (3 to send, 3 per owner received from)
+# stay ~100 MiB per rank beside tier 0's own slots, where tier 1's 64 MiB pieces would take ~400.
+PEER_PIECE = 16 * 1024 * 1024
 
 
 class TieredCheckpointer:
@@ -66,6 +70,19 @@ class TieredCheckpointer:
             )
         if cfg.checkpoint.reshardable.enabled:
             self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event, phases=phases)
+        if self.memory is not None and self.local is not None:
+            self._attach_memory_peers()
+
+    def _attach_memory_peers(self) -> None:
+        """Tier 0's peer copy goes to the rank's tier-2 holders on another node (a copy on the
+        same node does not survive what tier 0 alone does not). Collective: the stream gets its
+        own gloo group, so its background sends never interleave with training's collectives."""
+        assert self.memory is not None and self.local is not None
+        rep = self.cfg.checkpoint.replication
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=rep.timeout_s))
+        node = {i.rank: i.node for i in self.local.identities}
+        holders = {o: [h for h in hs if node[h] != node[o]] for o, hs in self.local.holders.items()}
+        self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE))
 
     def _open_remote(self) -> RemoteTier:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
@@ -169,7 +186,7 @@ class TieredCheckpointer:
         self._unusable: list[str] = []
         self._memory_rejected = []
         result = self._restore(state)
-        if result is not None and result.tier != "memory" and self._memory_rejected:
+        if result is not None and not result.tier.startswith("memory") and self._memory_rejected:
             result.rejected = self._memory_rejected + result.rejected
         if result is None and not self.cfg.checkpoint.allow_fresh_start:
             self._refuse_fresh_start()  # before superseding: it would quarantine what it names
@@ -282,18 +299,22 @@ class TieredCheckpointer:
         found, self._memory_rejected = self.memory.find_restorable(floor, self.suspect_steps())
         if found is None:
             return None
-        step, slot = found
+        step = found.step
         verify_s = time.perf_counter() - t0
         if self.phases is not None:
             self.phases.enter("load")
-        path = self.memory.load(slot, state)
+        path = self.memory.load(found.slot, state)
         seconds = round(time.perf_counter() - t0, 4)
-        row = {"rank": self.coll.rank, "tier": "memory", "source": str(path), "step": step, "seconds": seconds}
+        source = str(path) if found.holder is None else f"rank {found.holder}'s tier 0 -> {path}"
+        row = {"rank": self.coll.rank, "tier": found.tier, "source": source, "step": step, "seconds": seconds}
         per_rank = self.coll.all_gather(row)
         self.coll.barrier()
-        note = f"step {step} restored from tier 0 (memory) on every rank; tier 1's newest was {floor}"
+        tier = "memory" if all(r["tier"] == "memory" for r in per_rank) else "memory-peer"
+        fetched = [r["rank"] for r in per_rank if r["tier"] != "memory"]
+        where = f"tier 0 (memory; ranks {fetched} from their peer's copy)" if fetched else "tier 0 (memory)"
+        note = f"step {step} restored from {where} on every rank; tier 1's newest was {floor}"
         return RestoreResult(
-            "memory",
+            tier,
             step,
             time.perf_counter() - t0,
             verify_s,

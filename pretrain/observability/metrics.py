@@ -170,8 +170,8 @@ class TrainingMetrics(Collector):
     def save_failed(self, tier: str, reason: str = "error") -> None:
         self._save_failures.labels(self.run_id, tier, reason).inc()
 
-    def save_skipped(self, tier: str) -> None:
-        self._save_skips.labels(self.run_id, tier).inc()
+    def save_skipped(self, tier: str, count: int = 1) -> None:
+        self._save_skips.labels(self.run_id, tier).inc(count)
 
     def loaded(self, tier: str, seconds: float) -> None:
         self._load_seconds.labels(self.run_id, tier).observe(seconds)

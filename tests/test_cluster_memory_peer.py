@@ -1,0 +1,93 @@
+"""A whole node lost on a cluster of network namespaces, its ranks restored from the peer's tier 0.
+
+Two nodes (one rank each, failure domains rack-0 and rack-1), tier 0 every step with each node's
+tier-0 directory its own (a mount namespace per node: the same path, node-local contents, wiped
+with the node), tier 1 every 10 steps. Once the job finished step ``LOSS_AFTER``, node 1's link
+goes down, its processes are SIGKILLed and its disks (NVMe and tier-0 memory) wiped; a replacement
+comes up empty under the same name. The restore must come from tier 0 on both ranks (a step newer
+than tier 1's), node 1's rank from the copy node 0 held (``memory-peer``), and the run must be
+bit-exact against an uninterrupted run from there on (the steps lost are printed).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.job import metric_rows, node_local_mount, start_node, wait_exit, wait_metric_step
+from tests.cluster.netns import Cluster, unavailable
+from tests.helpers import TINY, events, job_env, metrics_by_step, overrides_for, torchrun_prefix
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
+
+STEPS = 18
+LOSS_AFTER = 13  # node 1 is lost once the job finished this step (tier 1's newest is 10)
+COMMON = {
+    "checkpoint.local.interval": 10,
+    "checkpoint.reshardable.interval": 10,
+    "checkpoint.replication.timeout_s": 10,
+    "schedule.decay_steps": STEPS,
+    "train.steps": STEPS,
+}
+
+
+def _start_baseline(base: Path, corpus: Path) -> subprocess.Popen[str]:
+    """The uninterrupted 2-rank run (torchrun, one namespace, no tier 0), in the background."""
+    over = overrides_for(base, corpus, **COMMON, **{"checkpoint.replication.allow_same_domain": "true"})
+    cmd = [*torchrun_prefix(2), "-m", "pretrain", "train", "--config", str(TINY)]
+    for item in over:
+        cmd += ["--set", item]
+    base.mkdir(parents=True)
+    log = open(base / "job.log", "w")  # noqa: SIM115 (the child writes it)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=job_env(base), cwd=base)
+
+
+def _start(cluster: Cluster, index: int, work: Path, corpus: Path) -> subprocess.Popen[str]:
+    memory = work / "shm"  # the same path on every node; each node mounts its own directory there
+    extra = {
+        "checkpoint.replication.allow_same_domain": "false",
+        "checkpoint.memory.enabled": "true",
+        "checkpoint.memory.dir": str(memory),
+        # A send must finish before its slot comes round again (slots - 1 steps): on this shared
+        # 2-core machine a step is ~0.5 s and the stream thread is starved at times.
+        "checkpoint.memory.slots": 4,
+    }
+    skip = ("checkpoint.local.dir", "run.id")  # pretrain launch sets them from LOCAL_NVME / RUN_ID
+    over = [o for o in overrides_for(work, corpus, **COMMON, **extra) if not o.startswith(skip)]
+    prefix = node_local_mount(cluster.nodes[index].nvme / "shm", memory)
+    return start_node(cluster, index, over, max_restarts=3, prefix=prefix)
+
+
+def test_a_lost_nodes_rank_restores_from_the_peers_tier0_bit_exact(tmp_path: Path, corpus: Path) -> None:
+    base = tmp_path / "baseline"
+    baseline = _start_baseline(base, corpus)
+    work = tmp_path / "cluster"
+    run_dir = work / "runs" / "t"
+    try:
+        with Cluster(work, 2) as cluster:
+            procs = {i: _start(cluster, i, work, corpus) for i in range(2)}
+            wait_metric_step(run_dir, LOSS_AFTER, list(procs.values()), timeout=600)
+            last_before_loss = max(r["step"] for r in metric_rows(run_dir))
+            cluster.link(1, up=False)
+            cluster.kill(1)
+            cluster.remove(1)  # its NVMe and its tier-0 directory are gone with it
+            cluster.add(1)
+            procs[1] = _start(cluster, 1, work, corpus)
+            codes = wait_exit(procs, timeout=600)
+            assert codes == {0: 0, 1: 0}, (work / "node-0.log").read_text()[-3000:]
+        assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]
+    finally:
+        if baseline.poll() is None:
+            baseline.kill()
+    [restore] = [e for e in events(run_dir) if e["event"] == "restore"]
+    rows = {row["rank"]: row for row in restore["per_rank"]}
+    assert restore["tier"] == "memory-peer" and [rows[r]["tier"] for r in (0, 1)] == ["memory", "memory-peer"], restore
+    assert rows[1]["source"].startswith("rank 0's tier 0"), rows[1]
+    assert restore["step"] > 10, restore  # newer than tier 1's newest: tier 0 on both nodes
+    print("CLUSTER_MEMORY_PEER", {"done_before_loss": last_before_loss, "restored": restore["step"]})
+    got, want = metrics_by_step(run_dir), metrics_by_step(base / "runs" / "t")
+    assert max(got) == STEPS
+    for step in range(restore["step"] + 1, STEPS + 1):
+        assert (got[step]["loss"], got[step]["grad_norm"]) == (want[step]["loss"], want[step]["grad_norm"]), step
