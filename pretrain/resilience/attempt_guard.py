@@ -6,7 +6,9 @@ evidence of how it ended.
 stops the job when the same failure keeps repeating without progress, installs the preemption
 handlers and starts the metrics exporter. :func:`fail_attempt` classifies the exception that
 ended this rank, writes its failure report and closes the record; a deterministic failure
-confirmed by the previous attempt stops the job instead of burning the restart budget.
+confirmed by the previous attempt stops the job instead of burning the restart budget; a
+straggler exclusion (:class:`~pretrain.errors.StragglerExcluded`) closes the record as ``excluded``
+and stops the local launcher, so the job restarts without the node.
 """
 
 from __future__ import annotations
