@@ -90,9 +90,11 @@ class HalfSpeed(threading.Thread):
         after: int,
         record: Path,
         measure_s: float = 1.0,
+        cap: float | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.rank_pid, self.step, self.after, self.record, self.measure_s = rank_pid, step, after, record, measure_s
+        self.cap = cap  # a fixed CPU cap instead of half the measured rate
         self.stop = threading.Event()
         self.done: dict[str, Any] = {}
         self.error: BaseException | None = None
@@ -114,7 +116,7 @@ class HalfSpeed(threading.Thread):
         before = cpu_seconds(pid)
         time.sleep(self.measure_s)
         rate = (cpu_seconds(pid) - before) / self.measure_s
-        with throttled(pid, max(rate / 2, 0.02)) as cgroup:
+        with throttled(pid, self.cap or max(rate / 2, 0.02)) as cgroup:
             self.done = {"step": self.step(), "time": time.time(), "rate": rate, "cgroup": str(cgroup)}
             self.record.write_text(json.dumps(self.done))
             self.stop.wait(600)
