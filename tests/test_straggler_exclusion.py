@@ -154,7 +154,7 @@ def test_a_node_slowed_from_outside_is_excluded_and_the_job_resumes_on_the_rest(
             throttle = _run_until_excluded(cluster, work, corpus, run_dir)
             excluded_at = _check_exclusion(run_dir, throttle["step"])
             over = _job_overrides(work, corpus)
-            refused = wait_exit({1: start_node(cluster, 1, over, nnodes=1, log_dir=tmp_path)}, timeout=120)
+            refused = wait_exit({1: start_node(cluster, 1, over, log_dir=tmp_path)}, timeout=120)
             resumed = wait_exit({0: start_node(cluster, 0, over, nnodes=1, log_dir=tmp_path)}, timeout=480)
         assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]
     finally:
