@@ -91,10 +91,12 @@ class HalfSpeed(threading.Thread):
         record: Path,
         measure_s: float = 1.0,
         cap: float | None = None,
+        until: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(daemon=True)
         self.rank_pid, self.step, self.after, self.record, self.measure_s = rank_pid, step, after, record, measure_s
         self.cap = cap  # a fixed CPU cap instead of half the measured rate
+        self.until = until  # the cap ends early once this is true (e.g. the rank was excluded)
         self.stop = threading.Event()
         self.done: dict[str, Any] = {}
         self.error: BaseException | None = None
@@ -119,4 +121,6 @@ class HalfSpeed(threading.Thread):
         with throttled(pid, self.cap or max(rate / 2, 0.02)) as cgroup:
             self.done = {"step": self.step(), "time": time.time(), "rate": rate, "cgroup": str(cgroup)}
             self.record.write_text(json.dumps(self.done))
-            self.stop.wait(600)
+            deadline = time.monotonic() + 600
+            while not self.stop.wait(0.2) and not self.until() and time.monotonic() < deadline:
+                pass

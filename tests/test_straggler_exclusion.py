@@ -89,7 +89,11 @@ def _half_speed(run_dir: Path, work: Path) -> HalfSpeed:
     def step() -> int:
         return max((r["step"] for r in metric_rows(run_dir)), default=0)
 
-    return HalfSpeed(rank_1, step, THROTTLE_AFTER, work / "throttle.json", measure_s=0.5, cap=CAP_CPU)
+    def excluded() -> bool:  # released then: a rank at 2 % of a CPU takes minutes to exit
+        return (run_dir / "excluded-nodes.jsonl").exists()
+
+    record = work / "throttle.json"
+    return HalfSpeed(rank_1, step, THROTTLE_AFTER, record, measure_s=0.5, cap=CAP_CPU, until=excluded)
 
 
 def ft_config(work: Path) -> Path:

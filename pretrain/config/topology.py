@@ -47,16 +47,15 @@ def check_room_to_exclude(cfg: Config, nnodes: int, nproc_per_node: int) -> None
     """``fault_tolerance.straggler.action: restart_without`` restarts the job on one node fewer:
     refuse at start when ``nnodes - 1`` nodes cannot hold the layout, naming the counts that can."""
     straggler = cfg.fault_tolerance.straggler
-    if not straggler.enabled or straggler.action != "restart_without":
+    # One node is never excluded (nothing would remain to restart on): nothing to check.
+    if not straggler.enabled or straggler.action != "restart_without" or nnodes <= 1:
         return
     vocab = padded_vocab_size(cfg)
-    problem = "no node would remain"
-    if nnodes > 1:
-        try:
-            check_topology(cfg, (nnodes - 1) * nproc_per_node, Fail(cfg.source), vocab)
-            return
-        except ConfigError as exc:
-            problem = str(exc).split("; fix:", 1)[0].split(": ", 1)[-1]
+    try:
+        check_topology(cfg, (nnodes - 1) * nproc_per_node, Fail(cfg.source), vocab)
+        return
+    except ConfigError as exc:
+        problem = str(exc).split("; fix:", 1)[0].split(": ", 1)[-1]
     fits = [n + 1 for n in fitting_node_counts(cfg, nproc_per_node, max(8, 2 * nnodes))]
     Fail(cfg.source)(
         "fault_tolerance.straggler.action",
