@@ -159,7 +159,8 @@ def test_a_node_slowed_from_outside_is_excluded_and_the_job_resumes_on_the_rest(
             excluded_at = _check_exclusion(run_dir, throttle["step"])
             over = _job_overrides(work, corpus)
             refused = wait_exit({1: start_node(cluster, 1, over, log_dir=tmp_path)}, timeout=120)
-            resumed = wait_exit({0: start_node(cluster, 0, over, nnodes=1, log_dir=tmp_path)}, timeout=480)
+            alone = [*over, "checkpoint.replication.factor=1"]  # one node holds no peer replica
+            resumed = wait_exit({0: start_node(cluster, 0, alone, nnodes=1, log_dir=tmp_path)}, timeout=480)
         assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]
     finally:
         if baseline.poll() is None:
