@@ -130,7 +130,8 @@ def build_report(
     second_resume: dict[str, Any],
 ) -> dict[str, Any]:
     attempts = read_attempts(faulted_dir)
-    rows = read_metrics(faulted_dir)
+    # the faulted run's rows only: the second resume appends to the same records afterwards
+    rows = [r for r in read_metrics(faulted_dir) if r["time"] <= faulted_times.ended_at]
     base_rows = read_metrics(base_dir)
     restores = [e for e in read_jsonl(faulted_dir / "events.jsonl") if e.get("event") == "restore"]
     faults = [_fault_row(e, attempts, rows, restores, faulted_times.launched_at) for e in events]
