@@ -147,7 +147,7 @@ class SoakRunner:
     # -- runs -----------------------------------------------------------------------------------
     def plain_run(self, name: str, steps: int, log_name: str) -> RunTimes:
         """A job without faults (the baseline, the second resume), to its end."""
-        job = Job(self.config(name, steps), self.s.nproc, self.run_root(name) / log_name, max_restarts=0)
+        job = Job(self.config(name, steps), self.s.nproc, self.run_root(name) / log_name, max_restarts=2)
         t0 = time.time()
         try:
             job.start()
