@@ -83,7 +83,7 @@ def run_soak(
     report = build_report(
         runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume
     )
-    head = write_report(work, report, runner.run_dir("faulted"), seed, mtti)
+    head = write_report(work, report, runner.run_dir("faulted"), times.ended_at, seed, mtti)
     plot_timeline(
         work / "soak-timeline.png", runner.run_dir("baseline"), base.launched_at, runner.run_dir("faulted"),
         times.launched_at, report["faults"],

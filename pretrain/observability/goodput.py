@@ -151,13 +151,18 @@ def _step(g: Goodput, step: int, seconds: float, reached: int) -> None:
         g.productive_s += seconds
 
 
-def goodput_from_records(run_dir: Path) -> Goodput:
-    """Goodput of the run in ``run_dir`` (``<run.dir>/<run.id>``) from its records."""
+def goodput_from_records(run_dir: Path, until: float | None = None) -> Goodput:
+    """Goodput of the run in ``run_dir`` (``<run.dir>/<run.id>``) from its records (``until``: only
+    the attempts that started before that time, and their rows)."""
     events = read_jsonl(run_dir / "events.jsonl")
     saves = [float(e["time"]) for e in events if e.get("event") == "save"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     evals = [float(r["time"]) for r in rows if r.get("kind") == "validation"]
-    return goodput_of(read_attempts(run_dir), rows, saves, evals)
+    attempts = read_attempts(run_dir)
+    if until is not None:
+        attempts = [a for a in attempts if (_start(a) or 0.0) <= until]
+        rows = [r for r in rows if r["time"] <= until]
+    return goodput_of(attempts, rows, saves, evals)
 
 
 def format_goodput(g: Goodput, title: str = "goodput") -> str:

@@ -175,14 +175,14 @@ def build_report(
         "headline": headline,
         "faults": faults,
         "goodput": {
-            "faulted": goodput_from_records(faulted_dir).to_dict(),
+            "faulted": goodput_from_records(faulted_dir, until=faulted_times.ended_at).to_dict(),
             "baseline": goodput_from_records(base_dir).to_dict(),
         },
         "events": [asdict(e) for e in events],
     }
 
 
-def headline_lines(report: dict[str, Any], faulted_dir: Path) -> list[str]:
+def headline_lines(report: dict[str, Any], faulted_dir: Path, until: float) -> list[str]:
     h = report["headline"]
     lost = h["lost_steps_per_fault"]
     rate = h["recovery_success_rate"]
@@ -209,7 +209,8 @@ def headline_lines(report: dict[str, Any], faulted_dir: Path) -> list[str]:
             f"  {kind:<13} n={det['n']}  {_fmt(det['median'])} / {_fmt(det['p95'])} | "
             f"{_fmt(nxt.get('median'))} / {_fmt(nxt.get('p95'))}"
         )
-    lines.append(format_goodput(goodput_from_records(faulted_dir), "goodput (faulted run, from its records)"))
+    g = goodput_from_records(faulted_dir, until=until)
+    lines.append(format_goodput(g, "goodput (faulted run, from its records)"))
     return lines
 
 
@@ -217,9 +218,11 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def write_report(work: Path, report: dict[str, Any], faulted_dir: Path, seed: int, mtti: float) -> list[str]:
+def write_report(
+    work: Path, report: dict[str, Any], faulted_dir: Path, faulted_end: float, seed: int, mtti: float
+) -> list[str]:
     write_json(work / "soak-report.json", report)
-    head = headline_lines(report, faulted_dir)
+    head = headline_lines(report, faulted_dir, faulted_end)
     lines = [
         "# Soak report",
         "",
