@@ -92,7 +92,11 @@ def _fault_row(
         "evidence": (hit.get("failure") or {}).get("evidence") or hit.get("status"),
         "detection_s": round(event.gone_at - t, 3) if event.gone_at else None,
         "fault_to_next_step_s": round(first_next["time"] - t, 3) if first_next else None,
-        "recovered": first_next is not None,
+        # a later attempt finished a step, or ended the run having restored its last step
+        "recovered": first_next is not None
+        or any(
+            (a.get("started_at") or 0) > t and a.get("status") == "succeeded" and a.get("restored") for a in attempts
+        ),
         "restored": nxt.get("restored"),
         "lost_steps": nxt.get("lost_steps"),
         "detail": event.injected.detail,
@@ -129,8 +133,8 @@ def build_report(
     steps: int,
     second_resume: dict[str, Any],
 ) -> dict[str, Any]:
-    attempts = read_attempts(faulted_dir)
-    # the faulted run's rows only: the second resume appends to the same records afterwards
+    # the faulted run's attempts and rows only: the second resume appends to the same records afterwards
+    attempts = [a for a in read_attempts(faulted_dir) if (a.get("started_at") or 0) <= faulted_times.ended_at]
     rows = [r for r in read_metrics(faulted_dir) if r["time"] <= faulted_times.ended_at]
     base_rows = read_metrics(base_dir)
     restores = [e for e in read_jsonl(faulted_dir / "events.jsonl") if e.get("event") == "restore"]
