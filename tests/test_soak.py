@@ -34,8 +34,9 @@ def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_pa
     assert h["second_resume"]["passed"], detail
     assert proc.returncode == 0 and report["passed"], detail
     for f in report["faults"]:
-        assert f["recorded_class"] == f["expected_class"] and f["fault_to_next_step_s"] > 0, f
-        assert f["detection_s"] is not None and f["detection_s"] <= f["fault_to_next_step_s"], f
+        assert f["recorded_class"] == f["expected_class"] and f["recovered"] and f["detection_s"] is not None, f
+        if f["fault_to_next_step_s"] is not None:  # None: it hit the last steps, the next attempt only restored
+            assert 0 < f["detection_s"] <= f["fault_to_next_step_s"], f
     g = report["goodput"]["faulted"]
     assert set(g["badput_s"]) == set(CAUSES) and 0 < g["goodput_ratio"] < report["goodput"]["baseline"]["goodput_ratio"]
     assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], abs=0.05)
