@@ -16,7 +16,7 @@ from tests.helpers import PYTHON, run
 KINDS = "kill-rank,sigsegv,exception,sigstop,corrupt-kill,kill-job,sigterm,gil"
 # Faults arrive at wall-clock gaps: the run must be long enough for six of them. 60 steps sufficed at
 # load 25-30 on 2 cores (six faults by step ~25); an idle machine trains faster and needs more steps.
-STEPS = "60"
+STEPS = "200"
 
 
 @pytest.mark.timeout(1800)  # 15-20 min at load 25-30 on 2 cores; not yet measured on an idle machine

@@ -37,6 +37,7 @@ RUN_ID = "soak"
 POLL_S = 0.05
 SECOND_RESUME_STEPS = 10  # steps the extra restart trains after the soak's run ended
 JOB_TIMEOUT_S = 1800.0
+END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a step to fire in
 
 
 @dataclass
@@ -132,6 +133,7 @@ class SoakRunner:
         items = [f"{k}={v}" for k, v in settings.items()] + list(self.s.overrides)
         cfg = load_config(self.s.config, items)
         root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root / "triggers", ignore_errors=True)  # a request no rank read must not fire in the next run
         path = root / f"config-{steps}.yaml"
         path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return path
@@ -177,6 +179,9 @@ class SoakRunner:
                 if not self._sleep_unless_ended(job, plan.gap_s):
                     stopped = f"the job ended before fault {plan.index + 1} ({plan.kind}) was due"
                     break
+                if self._last_step() >= self.s.steps - END_MARGIN_STEPS:
+                    stopped = f"the job was about to end before fault {plan.index + 1} ({plan.kind}) was due"
+                    break
                 live = self._live(live.attempt) or live  # the pids as they are now
                 launcher = job.proc
                 assert launcher is not None
@@ -198,6 +203,10 @@ class SoakRunner:
         finally:
             job.close()
         return RunTimes(t0, time.time(), rc), events, stopped
+
+    def _last_step(self) -> int:
+        rows = read_metrics(self.run_dir("faulted"))
+        return max((r["step"] for r in rows[-5:]), default=0)
 
     # -- waiting on the job's own records -------------------------------------------------------
     def _live(self, attempt: str | None = None) -> LiveRanks | None:
