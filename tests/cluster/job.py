@@ -54,7 +54,6 @@ def start_node(
     max_restarts: int = 2,
     log_dir: Path | None = None,
     prefix: list[str] | None = None,
-    ft_config: Path = FT_CLUSTER,
 ) -> subprocess.Popen[str]:
     """``pretrain launch`` (one rank per node) on node ``index`` of ``cluster``; ``prefix`` runs
     before it on the node (e.g. :func:`node_local_mount`)."""
@@ -71,7 +70,7 @@ def start_node(
         "--max-restarts",
         str(max_restarts),
         "--ft-config",
-        str(ft_config),
+        str(FT_CLUSTER),
     ]
     for item in overrides:
         argv += ["--set", item]
