@@ -32,7 +32,7 @@ lint: venv
 
 # pytest-xdist workers. One by default: with two, four timing-sensitive tests failed on a clean
 # 2-core machine (a save due while one is in flight, a clean rank scored as a straggler, ...);
-# `make test TEST_WORKERS=2` runs the rest 2x faster. Tests that share a machine-wide service (the
+# `make test TEST_WORKERS=2` took 49 min on a clean clone here. Tests that share a machine-wide service (the
 # Ceph RGW, Slurm, the network-namespace clusters) always run on one worker (tests/conftest.py).
 TEST_WORKERS ?= 1
 PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
