@@ -9,11 +9,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tiering.layout import RunLayout
 from tiering.publish import ReceivedStep
@@ -245,3 +247,20 @@ def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _gloo_rank(rank: int, scenario: Callable[[int, Path], dict[str, Any]], root: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = scenario(rank, Path(root))
+        (Path(root) / f"result-{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def two_gloo_ranks(scenario: Callable[[int, Path], dict[str, Any]], root: Path) -> tuple[dict[str, Any], ...]:
+    """``scenario(rank, root)`` in two spawned gloo ranks (a picklable, module-level callable); each
+    rank's JSON result, in rank order."""
+    mp.spawn(_gloo_rank, args=(scenario, str(root), free_port()), nprocs=2, join=True)
+    return tuple(json.loads((root / f"result-{r}.json").read_text()) for r in range(2))

@@ -8,7 +8,7 @@ never sealed (a receive cut short) is never used: the ranks agree on the older s
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.config import load_config
-from tests.helpers import TINY, flip_byte, free_port
+from tests.helpers import TINY, flip_byte, two_gloo_ranks
 from tiering.collective import TorchCollective
 from tiering.digest import HashSpec
 from tiering.manifest import Manifest
@@ -121,19 +120,12 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, scenario: str, root: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        result = SCENARIOS[scenario](rank, Path(root))
-        (Path(root) / f"result-{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+def _scenario(scenario: str, rank: int, root: Path) -> dict[str, Any]:
+    return SCENARIOS[scenario](rank, root)
 
 
-def _run(scenario: str, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    mp.spawn(_worker, args=(scenario, str(root), free_port()), nprocs=2, join=True)
-    return tuple(json.loads((root / f"result-{r}.json").read_text()) for r in range(2))  # type: ignore[return-value]
+def _run(scenario: str, root: Path) -> tuple[dict[str, Any], ...]:
+    return two_gloo_ranks(functools.partial(_scenario, scenario), root)
 
 
 def test_sealed_slots_reach_the_peer_sealed_and_a_stream_behind_sends_the_newest(tmp_path: Path) -> None:

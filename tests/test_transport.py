@@ -6,7 +6,7 @@ is full fails at once and drains its sender, and the pair stays usable."""
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import random
 import shutil
@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.corruptions import CORRUPTIONS, RUN, SPEC, STATE, publish_step
-from tests.helpers import flip_byte, free_port
+from tests.helpers import flip_byte, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.errors import VerificationError
 from tiering.fsio import write_file_durably
@@ -151,19 +150,12 @@ SCENARIOS: dict[str, Callable[[int, Path, Any], dict[str, Any]]] = {
 }
 
 
-def _worker(rank: int, scenario: str, root: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        result = SCENARIOS[scenario](rank, Path(root), dist.group.WORLD)
-        (Path(root) / f"result-{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+def _scenario(scenario: str, rank: int, root: Path) -> dict[str, Any]:
+    return SCENARIOS[scenario](rank, root, dist.group.WORLD)
 
 
-def _run(scenario: str, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    mp.spawn(_worker, args=(scenario, str(root), free_port()), nprocs=2, join=True)
-    return tuple(json.loads((root / f"result-{r}.json").read_text()) for r in range(2))  # type: ignore[return-value]
+def _run(scenario: str, root: Path) -> tuple[dict[str, Any], ...]:
+    return two_gloo_ranks(functools.partial(_scenario, scenario), root)
 
 
 # -- tests ------------------------------------------------------------------------------------------
