@@ -24,7 +24,11 @@ def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[No
         yield
     finally:
         del os.environ[leftovers.TEST_VAR]
-        left = leftovers.carrying(leftovers.TEST_VAR, test_id)
+        left = [
+            (pid, cmd)
+            for pid, cmd in leftovers.carrying(leftovers.TEST_VAR, test_id)
+            if not leftovers.own_resource_tracker(pid, cmd)
+        ]
         if left:
             leftovers.kill_all(left)
             # Carried by the teardown report, so that an xdist controller lists it too.

@@ -42,6 +42,18 @@ def carrying(var: str, value: str) -> list[tuple[int, str]]:
     return found
 
 
+def own_resource_tracker(pid: int, cmd: str) -> bool:
+    """multiprocessing's resource tracker started by this (pytest) process: a per-interpreter helper
+    that lives until the interpreter exits, not something a test left behind."""
+    if "multiprocessing.resource_tracker" not in cmd:
+        return False
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):  # exited meanwhile
+        return False
+    return ppid == os.getpid()
+
+
 def kill_all(procs: list[tuple[int, str]]) -> None:
     for pid, _ in procs:
         with contextlib.suppress(ProcessLookupError):

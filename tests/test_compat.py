@@ -15,6 +15,7 @@ from pretrain.platform.compat import (
     accepts_keyword,
     async_save_kwargs,
     megatron_core_version,
+    reset_write_results_queue,
     warm_write_results_queue,
     write_results_queue_getter,
 )
@@ -57,6 +58,12 @@ def test_a_version_with_neither_getter_fails_in_one_line() -> None:
 def test_the_writer_manager_starts_once() -> None:
     warm_write_results_queue()
     first = filesystem_async._results_queue
-    assert first is not None
-    warm_write_results_queue()
-    assert filesystem_async._results_queue is first
+    try:
+        assert first is not None
+        warm_write_results_queue()
+        assert filesystem_async._results_queue is first
+    finally:
+        # The Manager is a process-lifetime singleton in a rank; here it must not outlive the test.
+        if first is not None:
+            first._manager.shutdown()
+        reset_write_results_queue()

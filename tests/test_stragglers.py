@@ -6,7 +6,6 @@ one-line errors."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -47,14 +46,16 @@ def test_a_bad_straggler_setting_is_a_one_line_error_with_the_fix(key: str, valu
     assert "\n" not in msg and f"fault_tolerance.straggler.{key}" in msg and problem in msg and "fix:" in msg, msg
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# The cap rank 1 gets. Not "half of what it used": a rank idles in every gradient all-reduce, so its
+# CPU use is bursty, and a 50 % quota per 10 ms period let a short forward run at full speed after
+# each idle wait (on a fast CI host the capped rank scored 0.73 of its own best and was not named).
+# A tenth of a CPU binds on any host: each forward spans several periods.
+CAP_CPU = 0.1
 
 
-class HalfSpeed(threading.Thread):
-    """Once rank 1 has trained ``THROTTLE_AFTER`` steps, measure the CPU it gets for 2 s and cap it
-    at half of that (on a loaded host a fixed 0.5-CPU quota may not bind) until ``stop``."""
+class Throttle(threading.Thread):
+    """Once rank 1 has trained ``THROTTLE_AFTER`` steps, cap its process at ``CAP_CPU`` from outside
+    the job until ``stop``."""
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(daemon=True)
@@ -76,12 +77,8 @@ class HalfSpeed(threading.Thread):
             time.sleep(0.2)
         else:
             return
-        pid = pids[1]
-        before = _cpu_seconds(pid)
-        time.sleep(2.0)
-        rate = (_cpu_seconds(pid) - before) / 2.0
-        with throttled(pid, max(rate / 2, 0.1)) as cgroup:
-            self.done = {"step": max(metrics_by_step(self.run_dir)), "time": time.time(), "rate": rate}
+        with throttled(pids[1], CAP_CPU) as cgroup:
+            self.done = {"step": max(metrics_by_step(self.run_dir)), "time": time.time()}
             self.done["cgroup"] = str(cgroup)
             (self.run_dir.parents[1] / "throttle.json").write_text(json.dumps(self.done))
             self.stop.wait(600)
@@ -94,7 +91,7 @@ def _reports(run_dir: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_a_rank_slowed_from_outside_is_named_with_its_node(tmp_path: Path, corpus: Path) -> None:
     run_dir = tmp_path / "runs" / "t"
-    slow = HalfSpeed(run_dir)
+    slow = Throttle(run_dir)
     slow.start()
     try:
         torchrun(tmp_path, 2, overrides_for(tmp_path, corpus, **COMMON), timeout=600)
