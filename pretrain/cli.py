@@ -144,11 +144,17 @@ def _drill(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from pretrain.commands.launch import launch
-    from pretrain.errors import JobStopped, LaunchError
+    from pretrain.commands.launch import excluded_nodes, launch
+    from pretrain.errors import JobStopped, LaunchError, NodeExcluded
 
     try:
+        if args.excluded_nodes:
+            print(excluded_nodes(args.config, args.set or []))
+            return 0
         return launch(args.config, args.nproc_per_node, args.max_restarts, args.ft_config, args.dry_run, args.set or [])
+    except NodeExcluded as exc:
+        print(f"launch refused: {exc}", file=sys.stderr)
+        return NodeExcluded.EXIT_CODE
     except LaunchError as exc:
         print(f"launch error: {exc}", file=sys.stderr)
         return 2
@@ -297,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--max-restarts", type=int, default=3)
     la.add_argument("--ft-config", default="configs/ft-cpu.yaml")
     la.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
+    la.add_argument(
+        "--excluded-nodes", action="store_true", help="print the run's excluded nodes, comma separated, and exit"
+    )
     la.add_argument("--set", action="append", metavar="KEY=VALUE")
     la.set_defaults(func=_launch)
 

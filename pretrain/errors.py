@@ -2,10 +2,11 @@
 
 Each message is one line: what is wrong, where (file, key, rank), and ``fix:``. Every error raised
 on purpose derives from :class:`PretrainError` (checkpoint errors also from ``tiering``'s
-``CheckpointError``); the two ways out of a rank that are not failures, :class:`PreemptedError` and
-:class:`JobStopped`, are ``SystemExit`` so that nothing catching ``Exception`` can swallow them. The
-failure classification (``pretrain.resilience.failures``) keys on these classes, so there is exactly
-one of each: a second ``DataError`` defined elsewhere would be classified as a user error.
+``CheckpointError``); the three ways out of a rank that are not failures, :class:`PreemptedError`,
+:class:`JobStopped` and :class:`StragglerExcluded`, are ``SystemExit`` so that nothing catching
+``Exception`` can swallow them. The failure classification (``pretrain.resilience.failures``) keys
+on these classes, so there is exactly one of each: a second ``DataError`` defined elsewhere would
+be classified as a user error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from tiering.errors import CheckpointError
 
 STOP_EXIT_CODE = 2  # also the JobSet podFailurePolicy's "do not restart" code
+EXCLUDED_EXIT_CODE = 3  # a node was left out (straggler): restart the job without it
 
 
 class PretrainError(Exception):
@@ -56,6 +58,22 @@ class JobStopped(SystemExit):
     def __init__(self, message: str) -> None:
         super().__init__(STOP_EXIT_CODE)
         self.message = message
+
+
+class StragglerExcluded(SystemExit):
+    """Every rank leaves the attempt because ``node`` was written to the run's excluded-nodes file
+    (a persistent straggler): the job restarts without it. Not a failure of the code."""
+
+    def __init__(self, node: str, step: int, path: str) -> None:
+        super().__init__(EXCLUDED_EXIT_CODE)
+        self.node, self.step = node, step
+        self.message = f"straggler excluded: node {node} at step {step} (written to {path})"
+
+
+class NodeExcluded(LaunchError):
+    """``pretrain launch`` on a node the run's excluded-nodes file names (one line with the fix)."""
+
+    EXIT_CODE = EXCLUDED_EXIT_CODE
 
 
 class IncompatibleCheckpoint(PretrainError, CheckpointError):

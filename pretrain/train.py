@@ -29,7 +29,7 @@ from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.reshardable import wait_for_writer_warmup
 from pretrain.checkpointing.state import RestoreResult
 from pretrain.config import Config, validate
-from pretrain.errors import JobStopped, NonFiniteError
+from pretrain.errors import JobStopped, NonFiniteError, StragglerExcluded
 from pretrain.evaluation import Evaluator
 from pretrain.forward import forward_step, reduce_losses
 from pretrain.observability.runlog import append_jsonl, run_dir
@@ -37,6 +37,7 @@ from pretrain.observability.tensorboard_log import TensorBoardLog
 from pretrain.platform import cpu_shims
 from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
+from pretrain.resilience.excluded_nodes import exclude, path_of
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
@@ -151,6 +152,9 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
         for step in range(first_step, cfg.train.steps + 1):
             leave = loop.step(step, first=step == first_step)
             checkpointer.after_step(step, leaving=leave)  # raises PreemptedError when leaving
+            if loop.stragglers.excluded is not None:
+                checkpointer.finish()  # the saves due at this step (and any in flight) are published first
+                raise StragglerExcluded(loop.stragglers.excluded, step, str(path_of(ctx.run_dir)))
             loop.maybe_evaluate(step)
         checkpointer.finish()
     finally:
@@ -186,7 +190,13 @@ class TrainingLoop:
         self.audit = DataAudit(self.cfg, session.rank) if self.cfg.data.audit else None
         node = session.tiers.local.node if session.tiers.local is not None else socket.gethostname()
         sink = sink_to(ctx.metrics, session.runlog.event)
-        self.stragglers = StragglerWatch(self.cfg.fault_tolerance.straggler, session.rank, node, sink)
+
+        def exclude_node(name: str, **evidence: Any) -> str:
+            return str(exclude(ctx.run_dir, name, attempt=ctx.id, **evidence))
+
+        straggler = self.cfg.fault_tolerance.straggler
+        broadcast = TorchCollective().broadcast
+        self.stragglers = StragglerWatch(straggler, session.rank, node, sink, exclude_node, broadcast)
         self.forward_backward = self.stragglers.wrap(get_forward_backward_func(), STEP)
         self.forward_step = self.stragglers.wrap(forward_step, FORWARD)
         self.first_step = session.state.step + 1

@@ -11,8 +11,13 @@ name the rank); the product never slows itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 V1_CPU = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -38,13 +43,15 @@ def throttled(pid: int, cpu_fraction: float, name: str | None = None) -> Iterato
     home = root / _cgroup_of(pid, v1).lstrip("/")
     child = root / (name or f"pretrain-throttle-{pid}")
     child.mkdir()
-    quota = max(int(PERIOD_US * cpu_fraction), 1000)
+    # The kernel's smallest quota is 1 ms: below 0.1 CPU the period grows instead (20 ms for 0.05).
+    period = max(PERIOD_US, int(1000 / cpu_fraction))
+    quota = max(int(period * cpu_fraction), 1000)
     try:
         if v1:
-            (child / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (child / "cpu.cfs_period_us").write_text(str(period))
             (child / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            (child / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (child / "cpu.max").write_text(f"{quota} {period}")
         (child / "cgroup.procs").write_text(str(pid))
         yield child
     finally:
@@ -63,3 +70,57 @@ def throttled_time_us(cgroup: Path) -> int:
         if key == "throttled_usec":
             return int(value)
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class HalfSpeed(threading.Thread):
+    """Once ``rank_pid()`` names a process and ``step()`` has reached ``after``, measure the CPU that
+    process gets for ``measure_s`` and cap it at half of that (on a loaded host a fixed 0.5-CPU
+    quota may not bind) until ``stop`` is set. ``done`` (also written to ``record``): the step and
+    time the cap began, the measured rate and the cgroup; ``error``: what went wrong, for the test."""
+
+    def __init__(
+        self,
+        rank_pid: Callable[[], int | None],
+        step: Callable[[], int],
+        after: int,
+        record: Path,
+        measure_s: float = 1.0,
+        cap: float | None = None,
+        until: Callable[[], bool] = lambda: False,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.rank_pid, self.step, self.after, self.record, self.measure_s = rank_pid, step, after, record, measure_s
+        self.cap = cap  # a fixed CPU cap instead of half the measured rate
+        self.until = until  # the cap ends early once this is true (e.g. the rank was excluded)
+        self.stop = threading.Event()
+        self.done: dict[str, Any] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            pid = self.rank_pid()
+            if pid and self.step() >= self.after:
+                break
+            time.sleep(0.1)
+        else:
+            return
+        before = cpu_seconds(pid)
+        time.sleep(self.measure_s)
+        rate = (cpu_seconds(pid) - before) / self.measure_s
+        with throttled(pid, self.cap or max(rate / 2, 0.02)) as cgroup:
+            self.done = {"step": self.step(), "time": time.time(), "rate": rate, "cgroup": str(cgroup)}
+            self.record.write_text(json.dumps(self.done))
+            deadline = time.monotonic() + 600
+            while not self.stop.wait(0.2) and not self.until() and time.monotonic() < deadline:
+                pass

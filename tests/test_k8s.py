@@ -492,3 +492,29 @@ def test_each_job_has_its_own_identity(overlay: str) -> None:
     assert gc["spec"]["concurrencyPolicy"] == "Forbid"
     command = gc["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:2] == ["pretrain", "gc"] and "--apply" in command
+
+
+def granted(docs: list[dict[str, Any]], account: str) -> set[tuple[str, str]]:
+    """(resource, verb) pairs the render's (Cluster)RoleBindings grant ServiceAccount ``account``."""
+    roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("Role", "ClusterRole")}
+    out = set()
+    for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == account for s in binding["subjects"]):
+            continue
+        role = roles[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]
+        out |= {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_trainer_may_taint_its_node_and_delete_its_pod_and_nothing_broader(overlay: str) -> None:
+    """An excluded straggler's launch (pretrain/commands/node_taint.py) GETs and PATCHes its Node and
+    DELETEs its pod; the trainer's account gets exactly that besides reading nodes, and its pods
+    carry the Node's name (the taint's target) from the downward API."""
+    docs = build(overlay)
+    (account,) = {t.spec["serviceAccountName"] for t in trainer_pods(docs)}
+    assert granted(docs, account) == {("nodes", "get"), ("nodes", "patch"), ("pods", "delete")}
+    for pod in trainer_pods(docs):
+        trainer = next(c for c in pod.spec["containers"] if c["name"] == "trainer")
+        assert env_of(trainer)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, pod.owner
+        assert pod.spec.get("automountServiceAccountToken", True), pod.owner

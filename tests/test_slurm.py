@@ -4,6 +4,8 @@
 * The USR1 warning: the batch shell sends SIGTERM to the ranks, waits while they publish their
   emergency step (held longer than KillWait), requeues, and the job resumes from that step.
 * A failed launcher: the job is requeued without the node it failed on.
+* A node the run excluded (a persistent straggler): `pretrain launch` refuses it and the job is
+  requeued with it in ``--exclude`` (ExcNodeList).
 * A stopped run (``attempts/STOP.json``): `pretrain launch` exits with the stop code on every node
   and the job ends with it, not requeued.
 """
@@ -213,6 +215,30 @@ def test_a_failed_launcher_requeues_the_job_without_its_node(
         show = _show_job(job.id, job.env)
         assert "ExcNodeList=localhost" in show and "Restarts=1" in show, show
         assert "srun: error: localhost: task 0: Exited with exit code 1" in job.log.read_text()
+    finally:
+        subprocess.run(["scancel", job.id], env=job.env, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_node_the_run_excluded_is_refused_and_the_job_requeued_without_it(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": 50})
+    line = {"node": "localhost", "reason": "slow in 3 straggler reports in a row up to step 30"}
+    job.run_dir.mkdir(parents=True)
+    (job.run_dir / "excluded-nodes.jsonl").write_text(json.dumps(line) + "\n")
+    job.submit()
+    try:
+        deadline = time.monotonic() + 300
+        while "requeued without node localhost" not in _tail(job.log):
+            assert time.monotonic() < deadline, f"{job.state()}\n{_tail(job.log)}"
+            time.sleep(0.3)
+        job.wait_until(("PENDING",), 60)
+        show = _show_job(job.id, job.env)
+        assert "ExcNodeList=localhost" in show and "Restarts=1" in show, show
+        text = job.log.read_text()
+        assert "launch refused: node localhost is excluded" in text and "excluded node(s) localhost" in text, text
+        assert not (job.run_dir / "metrics.jsonl").exists(), "no rank may start on an excluded node"
     finally:
         subprocess.run(["scancel", job.id], env=job.env, timeout=30)
 

@@ -37,7 +37,12 @@ COMMON = {
 
 @pytest.mark.parametrize(
     ("key", "value", "problem"),
-    [("threshold", "0", "must be in (0, 1]"), ("threshold", "1.5", "must be in (0, 1]"), ("patience", "0", ">= 1")],
+    [
+        ("threshold", "0", "must be in (0, 1]"),
+        ("threshold", "1.5", "must be in (0, 1]"),
+        ("patience", "0", ">= 1"),
+        ("action", "evict", "unknown action 'evict'"),
+    ],
 )
 def test_a_bad_straggler_setting_is_a_one_line_error_with_the_fix(key: str, value: str, problem: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -117,8 +122,11 @@ def test_a_rank_slowed_from_outside_is_named_with_its_node(tmp_path: Path, corpu
 
 
 @pytest.mark.slow
-def test_a_run_nobody_slows_names_no_straggler(tmp_path: Path, corpus: Path) -> None:
-    torchrun(tmp_path, 2, overrides_for(tmp_path, corpus, **COMMON), timeout=600)
-    reports = _reports(tmp_path / "runs" / "t")
+def test_a_run_nobody_slows_names_no_straggler_and_excludes_no_node(tmp_path: Path, corpus: Path) -> None:
+    over = {**COMMON, "fault_tolerance.straggler.action": "restart_without", "fault_tolerance.straggler.patience": 2}
+    torchrun(tmp_path, 2, overrides_for(tmp_path, corpus, **over), timeout=600)
+    run_dir = tmp_path / "runs" / "t"
+    reports = _reports(run_dir)
     assert [r["step"] for r in reports] == list(range(INTERVAL, STEPS + 1, INTERVAL))
     assert all(r["slow_ranks"] == [] and len(r["scores"]) == 2 for r in reports), reports
+    assert not (run_dir / "excluded-nodes.jsonl").exists()

@@ -19,7 +19,13 @@ input fails at start with one line naming what is wrong and how to fix it.
   With a topology file, a job whose nodes all share one domain is refused (replicas would share
   the failure they exist to survive) unless ``ALLOW_SAME_DOMAIN=1``.
 * A node count whose world size the parallel layout or the global batch cannot divide (a
-  scale-down to 5 of 6 nodes, say) is refused with the node counts that would work.
+  scale-down to 5 of 6 nodes, say) is refused with the node counts that would work; so is
+  ``fault_tolerance.straggler.action: restart_without`` when one node fewer would not fit.
+* A node the run's excluded-nodes file names (a persistent straggler,
+  :mod:`pretrain.resilience.excluded_nodes`) is refused in one line (exit code 3, not the stop
+  code: the job is to run elsewhere); on Kubernetes the node is tainted and the pod deleted first
+  (:mod:`pretrain.commands.node_taint`) so that it is scheduled on another node.
+  ``--excluded-nodes`` prints the run's list for the sbatch requeue's ``--exclude``.
 
 ``ft_launcher --help`` (the truth about its flags) is cached per launcher file and NVRx version
 under ``$XDG_CACHE_HOME/resilient-pretrain`` (default ``~/.cache``): it imports torch, seconds that
@@ -41,9 +47,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain.config import check_world_size, load_config
-from pretrain.errors import ConfigError, LaunchError
+from pretrain.commands.node_domain import ApiServer
+from pretrain.commands.node_taint import keep_off
+from pretrain.config import check_room_to_exclude, check_world_size, load_config
+from pretrain.errors import ConfigError, LaunchError, NodeExcluded
 from pretrain.observability.runlog import run_dir
+from pretrain.resilience.excluded_nodes import read_excluded, refusal
 from pretrain.resilience.job_policy import refuse_if_stopped
 
 
@@ -317,6 +326,24 @@ def check_flags(launcher: str, argv: list[str]) -> None:
             )
 
 
+def refuse_if_excluded(plan: LaunchPlan, rdir: Path, env: Mapping[str, str], act: bool, api: ApiServer | None) -> None:
+    """NodeExcluded when the run's excluded-nodes file names this node; on Kubernetes (``act``:
+    not a dry run) the node is tainted and this pod deleted first, so it is placed elsewhere."""
+    line = refusal(rdir, plan.node_name)
+    if line is None:
+        return
+    if plan.platform == "kubernetes" and act:
+        line += f"; {keep_off(env, plan.node_name, rdir.name, api)}"
+    raise NodeExcluded(line)
+
+
+def excluded_nodes(config: str, extra_sets: list[str], env: Mapping[str, str] | None = None) -> str:
+    """The run's excluded nodes, comma separated (the sbatch requeue's ``--exclude``)."""
+    env = os.environ if env is None else env
+    cfg = load_config(config, extra_sets)
+    return ",".join(read_excluded(run_dir(cfg.run.dir, env.get("RUN_ID") or cfg.run.id)))
+
+
 def launch(
     config: str,
     nproc: int,
@@ -326,16 +353,20 @@ def launch(
     extra_sets: list[str],
     env: Mapping[str, str] | None = None,
     launcher: str | None = None,
+    api: ApiServer | None = None,
 ) -> int:
     env = os.environ if env is None else env
     plan = plan_from_env(env)
     # The config is checked here so a typo fails before any node starts; its emergency-save
     # deadline sizes how long ft_launcher lets workers finish after SIGTERM.
     cfg = load_config(config, extra_sets)
+    rdir = run_dir(cfg.run.dir, plan.run_id or cfg.run.id)
     # A run stopped for a failure that would repeat must not be restarted by a requeue or a pod restart.
-    refuse_if_stopped(run_dir(cfg.run.dir, plan.run_id or cfg.run.id))
+    refuse_if_stopped(rdir)
+    refuse_if_excluded(plan, rdir, env, not dry_run, api)
     try:  # a world size the layout cannot divide (e.g. a scale-down) fails here, not in every rank
         check_world_size(cfg, plan.nnodes, nproc)
+        check_room_to_exclude(cfg, plan.nnodes, nproc)
     except ConfigError as exc:
         raise LaunchError(str(exc)) from exc
     stop_timeout = int(cfg.fault_tolerance.emergency_save_timeout) + 10

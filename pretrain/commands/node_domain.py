@@ -35,6 +35,14 @@ DEFAULT_LABEL = "topology.k8s.aws/network-node-layer-3"
 SERVICEACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
+class ApiRefused(LaunchError):
+    """The API server answered with an HTTP error (``status``)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass(frozen=True)
 class ApiServer:
     """Where and as whom to read a Node: the in-cluster API server and the pod's ServiceAccount."""
@@ -54,7 +62,15 @@ class ApiServer:
         return cls(f"https://{host}:{port}", SERVICEACCOUNT / "token", SERVICEACCOUNT / "ca.crt")
 
     def get_node(self, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
-        url = f"{self.url.rstrip('/')}/api/v1/nodes/{urllib.parse.quote(name, safe='')}"
+        return self.call("GET", f"/api/v1/nodes/{urllib.parse.quote(name, safe='')}", timeout_s=timeout_s)
+
+    def call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """One request as the pod's ServiceAccount; a JSON merge patch for PATCH. ApiRefused (one
+        line with the fix, and the HTTP status) when the API server says no; LaunchError when it
+        cannot be reached."""
+        url = f"{self.url.rstrip('/')}{path}"
         try:
             token = self.token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
@@ -62,23 +78,25 @@ class ApiServer:
                 f"{self.token_file}: cannot read the ServiceAccount token ({exc.strerror}); fix: keep "
                 "automountServiceAccountToken on for the trainer pod"
             ) from exc
-        request = urllib.request.Request(
-            url, headers={"Authorization": f"Bearer {token}", "Accept": "application/json"}
-        )
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/merge-patch+json" if method == "PATCH" else "application/json"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
         context = ssl.create_default_context(cafile=str(self.ca_file)) if url.startswith("https:") else None
         try:
             with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp:
-                return json.loads(resp.read())
+                return json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as exc:
             fix = {
                 401: "the ServiceAccount token was rejected; check the pod's serviceAccountName",
-                403: "bind the pod's ServiceAccount to a ClusterRole with get on nodes (k8s/common/rbac.yaml)",
+                403: "bind the pod's ServiceAccount to a role allowing it (k8s/common/rbac.yaml)",
                 404: "NODE_NAME must come from the downward API fieldRef spec.nodeName",
             }.get(exc.code, "check the API server")
-            raise LaunchError(f"GET {url}: HTTP {exc.code} {exc.reason}; fix: {fix}") from exc
+            raise ApiRefused(f"{method} {url}: HTTP {exc.code} {exc.reason}; fix: {fix}", exc.code) from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise LaunchError(f"GET {url}: {reason}; fix: check the pod can reach the API server") from exc
+            raise LaunchError(f"{method} {url}: {reason}; fix: check the pod can reach the API server") from exc
 
 
 def read_node_json(path: Path) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from pretrain.config.loader import load_config
 from pretrain.config.model import ModelConfig, ParallelConfig
 from pretrain.config.root import Config, s3_owner
 from pretrain.config.topology import (
+    check_room_to_exclude,
     check_world_size,
     data_parallel_size,
     fitting_node_counts,
@@ -76,6 +77,7 @@ __all__ = [
     "ScheduleConfig",
     "StragglerConfig",
     "TrainConfig",
+    "check_room_to_exclude",
     "check_world_size",
     "data_parallel_size",
     "fitting_node_counts",

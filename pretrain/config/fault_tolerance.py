@@ -90,25 +90,32 @@ class InprocessConfig:
             )
 
 
+ACTIONS = ("report", "restart_without")
+
+
 @dataclass
 class StragglerConfig:
     """``fault_tolerance.straggler``: NVRx's straggler detector around the training step
     (pretrain.resilience.stragglers). Every ``report_interval`` steps each rank's comm-free compute
     time is scored against the fastest rank (relative) and its own best (individual); a rank whose
-    relative score is below ``threshold`` is reported (log line, ``straggler_score``, events.jsonl)."""
+    relative score is below ``threshold`` is reported (log line, ``straggler_score``, events.jsonl).
+    With ``action: restart_without`` a node slow in ``patience`` reports in a row is written to the
+    run's excluded-nodes file and the job restarts without it."""
 
     enabled: bool = True  # time each rank's forward and report the slowest ranks
     report_interval: int = 10  # steps between reports (a collective on every rank)
     threshold: float = 0.7  # relative score (fastest rank = 1.0) below which a rank is slow
     patience: int = 3  # consecutive slow reports before ``action`` applies to the rank's node
-    action: str = "report"  # report | restart_without (not implemented yet: refused)
+    # report: name the slow ranks only; restart_without: also exclude a node slow for ``patience``
+    # reports in a row (run dir excluded-nodes.jsonl) and end the attempt so the job restarts without it
+    action: str = "report"
 
     def check(self, fail: Fail) -> None:
         positive(fail, report_interval=self.report_interval, patience=self.patience)
         if not 0 < self.threshold <= 1:
             fail("threshold", f"must be in (0, 1], got {self.threshold}", "give a relative score such as 0.7")
-        if self.action != "report":
-            fail("action", f"{self.action!r} is not supported yet", "use report (restart_without is issue 31 part 2)")
+        if self.action not in ACTIONS:
+            fail("action", f"unknown action {self.action!r}", f"use one of {', '.join(ACTIONS)}")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The rules that depend on the world size: TP x PP x DP, heads, layers, the padded vocabulary and
 the global batch. ``pretrain launch`` asks :func:`check_world_size` before any node starts, and
-judges only these rules: any other problem (a missing tokenizer file) is raised as itself."""
+judges only these rules: any other problem (a missing tokenizer file) is raised as itself;
+:func:`check_room_to_exclude` asks the same of the node count a straggler's exclusion leaves."""
 
 from __future__ import annotations
 
@@ -40,6 +41,29 @@ def check_world_size(cfg: Config, nnodes: int, nproc_per_node: int) -> None:
             f"{nnodes} node(s) x {nproc_per_node} rank(s) = world size {nnodes * nproc_per_node} does not fit "
             f"this layout: {problem}; fix: launch with a node count that fits: {sizes}"
         ) from exc
+
+
+def check_room_to_exclude(cfg: Config, nnodes: int, nproc_per_node: int) -> None:
+    """``fault_tolerance.straggler.action: restart_without`` restarts the job on one node fewer:
+    refuse at start when ``nnodes - 1`` nodes cannot hold the layout, naming the counts that can."""
+    straggler = cfg.fault_tolerance.straggler
+    # One node is never excluded (nothing would remain to restart on): nothing to check.
+    if not straggler.enabled or straggler.action != "restart_without" or nnodes <= 1:
+        return
+    vocab = padded_vocab_size(cfg)
+    try:
+        check_topology(cfg, (nnodes - 1) * nproc_per_node, Fail(cfg.source), vocab)
+        return
+    except ConfigError as exc:
+        problem = str(exc).split("; fix:", 1)[0].split(": ", 1)[-1]
+    fits = [n + 1 for n in fitting_node_counts(cfg, nproc_per_node, max(8, 2 * nnodes))]
+    Fail(cfg.source)(
+        "fault_tolerance.straggler.action",
+        f"restart_without on {nnodes} node(s) x {nproc_per_node} rank(s) would restart on {nnodes - 1}, "
+        f"which cannot hold this layout ({problem})",
+        "use action: report, or launch on a node count that still fits with one node fewer: "
+        + (", ".join(str(n) for n in fits) or "none"),
+    )
 
 
 def check_topology(cfg: Config, world_size: int, fail: Fail, padded_vocab: int | None = None) -> None:

@@ -6,7 +6,9 @@ evidence of how it ended.
 stops the job when the same failure keeps repeating without progress, installs the preemption
 handlers and starts the metrics exporter. :func:`fail_attempt` classifies the exception that
 ended this rank, writes its failure report and closes the record; a deterministic failure
-confirmed by the previous attempt stops the job instead of burning the restart budget.
+confirmed by the previous attempt stops the job instead of burning the restart budget; a
+straggler exclusion (:class:`~pretrain.errors.StragglerExcluded`) closes the record as ``excluded``
+and stops the local launcher, so the job restarts without the node.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import Config, FaultToleranceConfig, MetricsConfig
-from pretrain.errors import JobStopped, PreemptedError
+from pretrain.errors import JobStopped, PreemptedError, StragglerExcluded
 from pretrain.observability.metrics import MetricsServer, TrainingMetrics
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.attempts import AttemptLog, record_failure
@@ -147,6 +149,12 @@ def fail_attempt(ctx: AttemptContext, exc: BaseException) -> None:
     info = classify(exc)
     record_failure(ctx.run_dir, ctx.id, ctx.rank, info)
     if isinstance(exc, PreemptedError):
+        return
+    if isinstance(exc, StragglerExcluded):
+        # Every rank leaves at the same step; the local launcher must not restart on this node set.
+        ctx.records.end("excluded", exc.step, info, excluded_node=exc.node)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            stop_local_launcher()
         return
     log.error("rank %d failed (%s): %s", ctx.rank, info.classification, info.exception)
     # A rank 0 that only saw a peer vanish leaves the diagnosis to the next attempt.

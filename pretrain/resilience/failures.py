@@ -9,6 +9,7 @@
 * user: an exception from our code, the user's code or config. Deterministic: confirmed once, then
   the job stops instead of burning the restart budget.
 * preempted: the scheduler asked us to leave (SIGTERM/SIGUSR1); not a failure of the job.
+* straggler: a node was excluded as a persistent straggler; the job restarts without it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from pretrain.errors import ConfigError, DataError, NonFiniteError, PreemptedError
+from pretrain.errors import ConfigError, DataError, NonFiniteError, PreemptedError, StragglerExcluded
 from tiering.errors import CheckpointError, ObjectStoreError
 
 
@@ -28,6 +29,7 @@ class Classification(str, Enum):
     DATA = "data"
     USER = "user"
     PREEMPTED = "preempted"
+    STRAGGLER = "straggler"
 
 
 # Substrings of the errors torch.distributed/gloo/NCCL raise when a peer dies or a collective times out.
@@ -76,6 +78,8 @@ def classify(exc: BaseException) -> FailureInfo:
     lowered = str(exc).lower()
     if isinstance(exc, PreemptedError):
         return FailureInfo(Classification.PREEMPTED.value, exc.message, PreemptedError.EXIT_CODE)
+    if isinstance(exc, StragglerExcluded):
+        return FailureInfo(Classification.STRAGGLER.value, exc.message, int(exc.code))  # type: ignore[arg-type]
     if isinstance(exc, NonFiniteError):
         return FailureInfo(Classification.NUMERICAL.value, message, 1, traceback_tail=tail)
     if isinstance(exc, DataError):

@@ -14,13 +14,21 @@ Scores (NVRx ``Report``): relative = fastest rank's median / this rank's median 
 individual = this rank's best median so far / its current median. A rank is slow when its relative
 score is below ``threshold``.
 
-Owns: the Detector's life in one attempt, the report's summary and the consecutive-slow counts.
-Never: sleeps, changes the training, or excludes nodes (issue 31 part 2). Called by
-``pretrain.train`` (``section``, ``wrap``, ``after_step``, ``close``).
+With ``action: restart_without`` rank 0 also decides, at each report, whether a node has been
+slow in ``patience`` reports in a row; if so (and another node remains) it adds the slowest such
+node, with the reports as evidence, to the run's excluded-nodes file and broadcasts its name:
+:attr:`StragglerWatch.excluded` is then set on every rank and ``pretrain.train`` ends the attempt
+(:class:`~pretrain.errors.StragglerExcluded`) after the step's saves.
+
+Owns: the Detector's life in one attempt, the report's summary, the consecutive-slow counts and
+the exclusion decision. Never: sleeps, changes the training, or talks to a scheduler (``pretrain
+launch`` refuses an excluded node; sbatch and Kubernetes keep it out). Called by ``pretrain.train``
+(``section``, ``wrap``, ``after_step``, ``close``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -120,14 +128,39 @@ def sink_to(metrics: ScoreGauge, event: Callable[..., None]) -> ReportSink:
     return send
 
 
+class Exclusions(Protocol):
+    """Where rank 0 writes an excluded node with its evidence (the run's excluded-nodes file)."""
+
+    def __call__(self, node: str, **evidence: Any) -> str: ...
+
+
+class Broadcast(Protocol):
+    """Rank 0's value to every rank (``tiering.collective.Collective.broadcast``)."""
+
+    def __call__(self, obj: Any, src: int = 0) -> Any: ...
+
+
 class StragglerWatch:
     """One attempt's detector. Every method is called on every rank (reports are collectives)."""
 
-    def __init__(self, cfg: StragglerConfig, rank: int, node: str, sink: ReportSink) -> None:
+    def __init__(
+        self,
+        cfg: StragglerConfig,
+        rank: int,
+        node: str,
+        sink: ReportSink,
+        exclude: Exclusions | None = None,
+        broadcast: Broadcast | None = None,
+    ) -> None:
         self.cfg, self.rank, self.node, self.sink = cfg, rank, node, sink
+        self.exclude, self.broadcast = exclude, broadcast
         self.cuda = torch.cuda.is_available()
         self.detector: Any = None
         self.slow_in_a_row: dict[str, int] = {}
+        self.recent: collections.deque[StragglerReport] = collections.deque(maxlen=cfg.patience)
+        self.excluded: str | None = None  # set on every rank once a node is excluded
+        if cfg.action == "restart_without" and (exclude is None or broadcast is None):
+            raise TypeError("restart_without needs exclude and broadcast")
         if cfg.enabled:
             self.detector = _start_detector(node, self.cuda)
 
@@ -154,12 +187,44 @@ class StragglerWatch:
         if self.detector is None or step % self.cfg.report_interval:
             return None
         raw = _generate(self.detector, self.cuda)
-        if self.rank != 0:
-            return None
+        report, decided = self.judge(step, raw) if self.rank == 0 else (None, None)
+        if self.cfg.action == "restart_without":
+            self.excluded = self.broadcast(decided)  # type: ignore[misc]  (checked in __init__)
+        return report
+
+    def judge(self, step: int, raw: Any) -> tuple[StragglerReport, str | None]:
+        """Rank 0: NVRx's ``Report`` summarised, logged and sent on; the node excluded now, if any."""
         report = self._summarise(step, raw)
         log.info("%s", report.line())
         self.sink(report)
-        return report
+        decided = self._decide(report) if self.cfg.action == "restart_without" else None
+        return report, decided
+
+    def _decide(self, report: StragglerReport) -> str | None:
+        """Rank 0: the node to exclude now (written to the file), or None. The slowest of the nodes
+        slow in ``patience`` reports in a row, never the last node holding a rank that is not slow."""
+        self.recent.append(report)
+        nodes = {s.node for s in report.scores}
+        candidates = [s for s in report.slow if s.node in report.persistent]
+        if not candidates:
+            return None
+        node = candidates[0].node  # report.slow is slowest first
+        if nodes <= set(report.persistent):
+            log.warning("stragglers: every node is slow (%s); excluding none", ", ".join(sorted(nodes)))
+            return None
+        evidence = [
+            {"step": r.step, "source": r.source, "relative": {str(s.rank): round(s.relative, 4) for s in r.scores}}
+            for r in self.recent
+        ]
+        slowest = min(s.relative for s in report.scores if s.node == node)
+        reason = (
+            f"slow in {self.slow_in_a_row[node]} straggler reports in a row up to step {report.step}: relative "
+            f"score {slowest:.2f} < fault_tolerance.straggler.threshold={self.cfg.threshold}"
+        )
+        ranks = sorted(s.rank for s in report.scores if s.node == node)
+        path = self.exclude(node, reason=reason, step=report.step, ranks=ranks, reports=evidence)  # type: ignore[misc]
+        log.error("stragglers: excluding node %s (%s): %s; the job restarts without it", node, reason, path)
+        return node
 
     def _summarise(self, step: int, raw: Any) -> StragglerReport:
         source = "gpu" if self.cuda and raw.gpu_relative_perf_scores else FORWARD

@@ -54,6 +54,7 @@ def start_node(
     max_restarts: int = 2,
     log_dir: Path | None = None,
     prefix: list[str] | None = None,
+    ft_config: Path = FT_CLUSTER,
 ) -> subprocess.Popen[str]:
     """``pretrain launch`` (one rank per node) on node ``index`` of ``cluster``; ``prefix`` runs
     before it on the node (e.g. :func:`node_local_mount`)."""
@@ -70,7 +71,7 @@ def start_node(
         "--max-restarts",
         str(max_restarts),
         "--ft-config",
-        str(FT_CLUSTER),
+        str(ft_config),
     ]
     for item in overrides:
         argv += ["--set", item]
