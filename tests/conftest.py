@@ -109,7 +109,8 @@ def slurm_cluster():  # noqa: ANN201
     if os.geteuid() != 0:
         pytest.skip("the test Slurm cluster runs its daemons as root")
     state = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
-    env = {**session_env(), "STATE": state, "CTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
+    ports = {name: str(free_port()) for name in ("CTLD_PORT", "SLURMD_PORT", "SPARE_PORT")}
+    env = {**session_env(), "STATE": state, **ports}
     proc = subprocess.run(
         [str(REPO / "scripts" / "slurm" / "start.sh")], env=env, capture_output=True, text=True, timeout=120
     )

@@ -5,7 +5,9 @@
   emergency step (held longer than KillWait), requeues, and the job resumes from that step.
 * A failed launcher: the job is requeued without the node it failed on.
 * A node the run excluded (a persistent straggler): `pretrain launch` refuses it and the job is
-  requeued with it in ``--exclude`` (ExcNodeList).
+  requeued with it in ``--exclude`` (ExcNodeList). The cluster's second node (``spare``) never
+  starts, so the requeued job pends; when the exclusion would leave no node, the requeue is refused
+  in one line and the job ends.
 * A stopped run (``attempts/STOP.json``): `pretrain launch` exits with the stop code on every node
   and the job ends with it, not requeued.
 """
@@ -26,8 +28,8 @@ from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 from pretrain.commands.plan import plan_memory_tier
 from pretrain.commands.plan_model import model_size
 from pretrain.config import MemoryTierConfig, load_config
-from pretrain.errors import STOP_EXIT_CODE
-from tests.helpers import FT_CPU, REPO, TINY, job_env, overrides_for, read_jsonl
+from pretrain.errors import EXCLUDED_EXIT_CODE, STOP_EXIT_CODE
+from tests.helpers import FT_CPU, REPO, TINY, free_port, job_env, overrides_for, read_jsonl
 
 SBATCH = REPO / "slurm" / "pretrain.sbatch"
 KILL_WAIT_S = 5  # scripts/slurm/slurm.conf.in
@@ -72,6 +74,9 @@ class SlurmJob:
             "MAX_RESTARTS": "1",
             "FT_CONFIG": str(FT_CPU),
             "PRETRAIN": str(REPO / ".venv" / "bin" / "pretrain"),
+            # Not the default 29500: another job on this machine may hold it, and a launcher that
+            # cannot bind its rendezvous store fails, which requeues the job without the node.
+            "RDZV_PORT": str(free_port()),
             **env,
         }
         self.tmp = tmp
@@ -82,9 +87,9 @@ class SlurmJob:
     def log(self) -> Path:
         return self.tmp / f"slurm-{self.id}.out"
 
-    def submit(self) -> None:
+    def submit(self, *sbatch_args: str) -> None:
         out = subprocess.run(
-            ["sbatch", "--parsable", "--nodes=1", f"--output={self.tmp}/slurm-%j.out", str(SBATCH)],
+            ["sbatch", "--parsable", "--nodes=1", f"--output={self.tmp}/slurm-%j.out", *sbatch_args, str(SBATCH)],
             capture_output=True,
             text=True,
             env=self.env,
@@ -241,6 +246,25 @@ def test_a_node_the_run_excluded_is_refused_and_the_job_requeued_without_it(
         assert not (job.run_dir / "metrics.jsonl").exists(), "no rank may start on an excluded node"
     finally:
         subprocess.run(["scancel", job.id], env=job.env, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_requeue_that_would_exclude_every_node_is_refused_in_one_line_and_the_job_ends(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": 50})
+    line = {"node": "localhost", "reason": "slow in 3 straggler reports in a row up to step 30"}
+    job.run_dir.mkdir(parents=True)
+    (job.run_dir / "excluded-nodes.jsonl").write_text(json.dumps(line) + "\n")
+    job.submit("--exclude=spare")  # excluding localhost too leaves the partition no node
+    state = job.wait_until(ENDED, 300)
+    show = _show_job(job.id, job.env)
+    assert state == "FAILED" and f"ExitCode={EXCLUDED_EXIT_CODE}:0" in show and "Restarts=0" in show, show
+    refused = [x for x in job.log.read_text().splitlines() if "not requeued" in x]
+    assert len(refused) == 1, job.log.read_text()
+    assert re.search(r"without node\(s\) (spare,localhost|localhost,spare) partition debug has 0 node\(s\)", refused[0])
+    assert "for this 1-node job; fix: repair node(s) localhost" in refused[0], refused[0]
+    assert "requeued without" not in job.log.read_text()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ mkdir -p "$STATE"/{ctld,spool,log} /run/munge /etc/munge
 cpus=$(nproc)
 sed -e "s#@STATE@#$STATE#g" -e "s#@CPUS@#$cpus#g" \
     -e "s#@CTLD_PORT@#${CTLD_PORT:-6817}#g" -e "s#@SLURMD_PORT@#${SLURMD_PORT:-6818}#g" \
+    -e "s#@SPARE_PORT@#${SPARE_PORT:-6819}#g" \
     "$here/slurm.conf.in" > "$STATE/slurm.conf"
 # gres.conf beside slurm.conf: eight empty files stand in for the GPUs the sbatch asks for.
 mkdir -p "$STATE/gpus"
