@@ -77,11 +77,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class HalfSpeed(threading.Thread):
+class CpuCap(threading.Thread):
     """Once ``rank_pid()`` names a process and ``step()`` has reached ``after``, measure the CPU that
-    process gets for ``measure_s`` and cap it at half of that (on a loaded host a fixed 0.5-CPU
-    quota may not bind) until ``stop`` is set. ``done`` (also written to ``record``): the step and
-    time the cap began, the measured rate and the cgroup; ``error``: what went wrong, for the test."""
+    process gets for ``measure_s`` and cap it, until ``stop`` is set, at ``cap`` CPU or, without
+    ``cap``, at half the measured rate. Tests give a fixed cap far below what any host gives a rank
+    (it binds on a fast host too: a rank idles in every all-reduce, and a 50 % quota let its short
+    forwards run at full speed there); the bench's half-speed figure uses the measured half.
+    ``done`` (also written to ``record``): the step and time the cap began, the measured rate and
+    the cgroup; ``error``: what went wrong, for the test."""
 
     def __init__(
         self,

@@ -2,14 +2,16 @@
 c10d over a bridge, ``fault_tolerance.straggler.action: restart_without``), node 1's rank capped
 from outside at ``CAP_CPU`` of a CPU after its first step (``tests/cpu_throttle.py``).
 
-* Named within the stated steps: the first report whose whole interval ran throttled (at most
-  ``2 * INTERVAL`` steps after the cap began) names rank 1 on ``pretrain-1``; the exclusion comes
-  at the first report that closes ``PATIENCE`` slow reports in a row (``PATIENCE * INTERVAL``
-  steps later on a quiet host; a report a noisy host spoils starts the count again: at load 40 on
-  2 cores the unthrottled rank's own forward slowed 3-7x for single reports, measured).
-* Excluded: ``excluded-nodes.jsonl`` in the run directory names node ``pretrain-1`` (only it) with
-  the reports as evidence; every rank ended the attempt with the class ``straggler`` ("straggler
-  excluded: node pretrain-1"), the attempt record says ``excluded``, and both launchers exited.
+* Excluded: ``excluded-nodes.jsonl`` in the run directory names the capped node ``pretrain-1``
+  (only it, never the clean ``pretrain-0``) after the cap began, with ``PATIENCE`` consecutive
+  reports as evidence, each scoring rank 1 below ``THRESHOLD``; the attempt ended at the report
+  that decided. Which report that is, is not asserted: on a quiet host it is ``PATIENCE *
+  INTERVAL`` steps after the cap's first full interval, but a report a noisy host spoils starts
+  the count again (at load 40 on 2 cores the unthrottled rank's own forward slowed 3-7x for single
+  reports, measured), and a clean rank a noisy report names is no failure as long as it is not
+  excluded. Which report excludes after which scores: ``test_straggler_action`` (in one process).
+* Every rank ended the attempt with the class ``straggler`` ("straggler excluded: node
+  pretrain-1"), the attempt record says ``excluded``, and both launchers exited.
 * ``pretrain launch`` on that node refuses in one line naming the node, the file and the fix.
 * The job resumes on the one node left (NNODES=1) through the reshardable tier (saved at world size
   2) and trains to the end; its losses equal those of a run started on one node within
@@ -31,7 +33,7 @@ import pytest
 from pretrain.resilience.phases import ranks_in_phase
 from tests.cluster.job import FT_CLUSTER, metric_rows, start_node, wait_exit
 from tests.cluster.netns import Cluster, unavailable
-from tests.cpu_throttle import HalfSpeed
+from tests.cpu_throttle import CpuCap
 from tests.helpers import TINY, events, job_env, metrics_by_step, overrides_for, torchrun_prefix
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
@@ -41,9 +43,11 @@ INTERVAL = 2
 PATIENCE = 3  # one noisy report on a loaded host must not exclude a node
 THRESHOLD = 0.3  # a loaded 2-core host: see test_stragglers
 THROTTLE_AFTER = 1  # steps
-# A fixed cap far below what a rank gets on this shared 2-core host (0.03-0.2 CPU measured at load
-# 30-40): there, a rank nobody slows scored 0.15-0.4 for several reports in a row while the other
-# was starved, so half speed is not a difference detection can be asked to see; bench/ measures
+# A fixed cap that binds on any host: far below what a rank gets on this shared 2-core host
+# (0.03-0.2 CPU measured at load 30-40; there a rank nobody slows scored 0.15-0.4 for several
+# reports in a row while the other was starved), and, as 1 ms of CPU per 50 ms period
+# (tests/cpu_throttle.py), far below what a forward needs between two all-reduce waits on a fast
+# host (a 50 % quota let short forwards run at full speed there: test_stragglers). bench/ measures
 # half speed. A clean run naming nobody: test_stragglers.
 CAP_CPU = 0.02
 SAVE_EVERY = 4
@@ -82,7 +86,7 @@ def _start_baseline(base: Path, corpus: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=job_env(base), cwd=base)
 
 
-def _half_speed(run_dir: Path, work: Path) -> HalfSpeed:
+def _cap(run_dir: Path, work: Path) -> CpuCap:
     def rank_1() -> int | None:
         return (ranks_in_phase(run_dir, None, "training", [1]) or {}).get(1)
 
@@ -93,7 +97,7 @@ def _half_speed(run_dir: Path, work: Path) -> HalfSpeed:
         return (run_dir / "excluded-nodes.jsonl").exists()
 
     record = work / "throttle.json"
-    return HalfSpeed(rank_1, step, THROTTLE_AFTER, record, measure_s=0.5, cap=CAP_CPU, until=excluded)
+    return CpuCap(rank_1, step, THROTTLE_AFTER, record, measure_s=0.5, cap=CAP_CPU, until=excluded)
 
 
 def ft_config(work: Path) -> Path:
@@ -105,7 +109,7 @@ def ft_config(work: Path) -> Path:
 
 def _run_until_excluded(cluster: Cluster, work: Path, corpus: Path, run_dir: Path) -> dict:
     over = _job_overrides(work, corpus)
-    slow = _half_speed(run_dir, work)
+    slow = _cap(run_dir, work)
     slow.start()
     try:
         ft = ft_config(work)
@@ -121,21 +125,19 @@ def _run_until_excluded(cluster: Cluster, work: Path, corpus: Path, run_dir: Pat
 
 
 def _check_exclusion(run_dir: Path, throttled_at: int) -> int:
-    """The exclusion: when, what the file says, how the attempt ended. Returns its step."""
+    """The exclusion: which node, on what evidence, how the attempt ended. Returns its step."""
     lines = (run_dir / "excluded-nodes.jsonl").read_text().splitlines()
-    (record,) = [json.loads(line) for line in lines]
+    (record,) = [json.loads(line) for line in lines]  # the capped node only: the clean one stays in
     assert record["node"] == "pretrain-1" and record["ranks"] == [1], record
-    assert len(record["reports"]) == PATIENCE and all(r["relative"]["1"] < THRESHOLD for r in record["reports"])
-    reports = [e for e in events(run_dir) if e["event"] == "straggler_report"]
-    # Named within the stated steps: the first report whose whole interval ran throttled.
-    first_full = next(r for r in reports if r["step"] - INTERVAL > throttled_at)
-    assert first_full["slow_ranks"] == [1] and first_full["slow_nodes"] == ["pretrain-1"], reports
-    # Excluded at the first report that closes PATIENCE slow reports in a row (a report a noisy
-    # host spoils starts the count again), and only by the throttled node.
-    slow = [1 in r["slow_ranks"] for r in reports]
-    closes = next(i for i in range(PATIENCE - 1, len(slow)) if all(slow[i - PATIENCE + 1 : i + 1]))
     step = record["step"]
-    assert step == reports[closes]["step"] and reports[-1]["step"] == step, (record, reports)
+    evidence = record["reports"]
+    assert [r["step"] for r in evidence] == list(range(step - (PATIENCE - 1) * INTERVAL, step + 1, INTERVAL)), record
+    assert all(r["relative"]["1"] < THRESHOLD for r in evidence), record
+    assert evidence[0]["step"] > throttled_at, ("judged on a report from before the cap", record, throttled_at)
+    reports = [e for e in events(run_dir) if e["event"] == "straggler_report"]
+    named = {r["step"] for r in reports if "pretrain-1" in r["slow_nodes"]}
+    assert {r["step"] for r in evidence} <= named, (record, reports)
+    assert reports[-1]["step"] == step, ("the attempt ends at the report that decided", record, reports)
     attempts = [json.loads(p.read_text()) for p in sorted((run_dir / "attempts").glob("attempt-*.json"))]
     first = attempts[0]
     assert first["status"] == "excluded" and first["excluded_node"] == "pretrain-1", first
