@@ -35,7 +35,10 @@ def test_this_process_s_resource_tracker_is_spared_and_a_child_it_started_is_not
     resource_tracker.ensure_running()
     tracker = resource_tracker._resource_tracker._pid  # noqa: SLF001 - the tracker's pid is not public
     assert tracker is not None
-    cmd = (Path(f"/proc/{tracker}/cmdline").read_bytes()).replace(b"\0", b" ").decode()
+    cmd, deadline = "", time.monotonic() + 10
+    while not cmd and time.monotonic() < deadline:  # empty until the forked child has exec'd
+        cmd = Path(f"/proc/{tracker}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        time.sleep(0.01)
     assert leftovers.own_resource_tracker(tracker, cmd), cmd
     marker = leftovers.new_id()
     sleeper = subprocess.Popen(
