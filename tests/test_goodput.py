@@ -6,7 +6,10 @@ code exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pretrain.cli import main
 from pretrain.observability.goodput import CAUSES, GoodputCollector, goodput_from_records, goodput_of
 from pretrain.observability.metrics import TrainingMetrics
+from tests.helpers import PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +50,35 @@ def test_two_attempts_split_into_productive_time_and_badput_by_cause_with_nothin
     assert g.badput_s == pytest.approx({c: want.get(c, 0.0) for c in CAUSES})
     assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
     assert g.steps == 10 and g.steps_run == 13 and g.ratio == pytest.approx(10 / 36)
+
+
+def test_records_that_overlap_are_counted_once_so_the_parts_still_sum_to_the_wall_time() -> None:
+    """The clean-clone soak failure: parts 110.806 s against 110.392 s of wall. Attempt b's process
+    start (psutil's create_time, up to a second early) fell 0.4 s before attempt a's end (rank 0's
+    clock): the launcher had restarted within that second. Its restore (2 s recorded) and first step
+    also do not fit the 1.5 s between that end and its first row."""
+    attempts, rows, saves = two_attempts()
+    attempts[1]["process_started_at"] = 18.6
+    rows = [r for r in rows if r["attempt"] == "a"] + _rows("b", [(6, 20.5), (7, 21.5), (8, 22.5), (9, 23.5)])
+    attempts[1]["ended_at"] = 24.0
+    g = goodput_of(attempts, rows, saves, [])
+    assert g.wall_s == 24.0
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s, abs=1e-9)
+    # a's end to b's first row: 1.5 s, its first step's median second then the restore's 0.5 s left
+    assert g.badput_s["restore"] == pytest.approx(0.5) and g.badput_s["detection_restart"] == 0.0
+    assert g.badput_s["recomputed_steps"] == pytest.approx(3.0) and g.productive_s == pytest.approx(9.0)
+
+
+def test_an_attempt_records_its_process_start_on_the_clock_of_every_other_record() -> None:
+    """The overlap's cause: the process start read a second early. A real process, started after
+    ``before``, must record a start after it (to a clock tick) and before its own first line."""
+    code = "import time; t = time.time(); from pretrain.resilience.attempts import _process_start; "
+    code += "print(t, _process_start())"
+    before = time.time()
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, timeout=60)
+    first_line, started = map(float, out.stdout.split())
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - 2 * tick <= started <= first_line + tick, (before, started, first_line)
 
 
 def test_the_gap_after_a_preemption_is_waiting_not_detection() -> None:

@@ -18,8 +18,15 @@ into productive seconds and badput by cause:
 
 A step's own time is the gap between its row and the row before it in the same attempt (an
 attempt's first step counts the median). Excess without a save or an evaluation inside it is noise
-of the machine, counted as productive. ``pretrain status --goodput``, ``pretrain soak``, ``pretrain
-drill`` print it; :class:`GoodputCollector` exports it to Prometheus from rank 0's metrics server.
+of the machine, counted with its step (productive, or recomputed).
+
+The split is a partition by construction: the records are read as one timeline from the first
+process start to the last sign of life and each second is handed out once, in order, so records
+that overlap count once. They can: ``process_started_at`` was psutil's ``create_time``, which reads
+up to a second early (``/proc/stat`` truncates the boot time it adds to whole seconds), and a
+launcher restarting within that second made an attempt start before the previous one ended (the
+parts summed to 0.4 s more than the wall time). ``pretrain status --goodput``, ``pretrain soak``
+and ``pretrain drill`` print it; :class:`GoodputCollector` exports it to Prometheus from rank 0's metrics server.
 """
 
 from __future__ import annotations
@@ -84,6 +91,32 @@ def _within(times: list[float], lo: float, hi: float) -> bool:
     return any(lo < t <= hi for t in times)
 
 
+class _Timeline:
+    """The run's wall time handed out once, in order: each ``take`` gives the seconds from where the
+    last one stopped up to ``until`` to one cause, so the parts partition the wall time whatever the
+    records say. Records can overlap: an attempt's ``process_started_at`` (the kernel's process start)
+    may fall before the previous attempt's ``ended_at`` (its rank 0's clock) when the launcher
+    restarts within a second; an overlap is given once, to whichever came first."""
+
+    def __init__(self, g: Goodput, begin: float) -> None:
+        self.g = g
+        self.at = begin
+
+    def take(self, cause: str | None, until: float) -> float:
+        """Give ``[at, until]`` to ``cause`` (None: productive); returns the seconds given."""
+        secs = max(0.0, until - self.at)
+        if cause is None:
+            self.g.productive_s += secs
+        else:
+            self.g.badput_s[cause] += secs
+        self.at = max(self.at, until)
+        return secs
+
+    def take_for(self, cause: str | None, seconds: float, limit: float) -> None:
+        """Give the next ``seconds`` (at most up to ``limit``) to ``cause``."""
+        self.take(cause, min(self.at + max(0.0, seconds), limit))
+
+
 def goodput_of(
     attempts: list[dict[str, Any]], rows: list[dict[str, Any]], saves: list[float], evals: list[float]
 ) -> Goodput:
@@ -99,56 +132,62 @@ def goodput_of(
     deltas = [b["time"] - a["time"] for rs in by_attempt.values() for a, b in zip(rs, rs[1:], strict=False)]
     median = statistics.median(deltas) if deltas else 0.0
     attempts.sort(key=lambda a: _start(a) or 0.0)
-    reached = 0  # the furthest step finished before the attempt at hand
-    prev_end: float | None = None
-    prev_status = None
     begin = _start(attempts[0]) or 0.0
-    end = begin
-    for rec in attempts:
-        start = _start(rec) or 0.0
-        mine = by_attempt.get(rec.get("id", ""), [])
+    line = _Timeline(g, begin)
+    reached = 0  # the furthest step finished before the attempt at hand
+    prev_status: str | None = None
+    for n, rec in enumerate(attempts):
         gap_cause = "preemption_wait" if prev_status == "preempted" else "detection_restart"
-        if prev_end is not None and start > prev_end:
-            g.badput_s[gap_cause] += start - prev_end
-        if not mine:  # died before its first step: everything it ran was recovery
-            stop = max(rec.get("ended_at") or start, start)
-            g.badput_s["startup" if prev_end is None else gap_cause] += stop - start
-            prev_end, prev_status, end = stop, rec.get("status"), max(end, stop)
-            continue
-        restore = float((rec.get("restored") or {}).get("seconds") or 0.0)
-        first = mine[0]
-        lead = max(0.0, first["time"] - start - restore - median)
-        g.badput_s["restore"] += restore
-        g.badput_s["startup" if prev_end is None else gap_cause] += lead
-        _step(g, first["step"], min(median, first["time"] - start), reached)
-        for a, b in zip(mine, mine[1:], strict=False):
-            d = b["time"] - a["time"]
-            base, excess = min(d, median), max(0.0, d - median)
-            _step(g, b["step"], base, reached)
-            if _within(saves, a["time"], b["time"]):
-                g.badput_s["checkpoint"] += excess
-            elif _within(evals, a["time"], b["time"]):
-                g.badput_s["evaluation"] += excess
-            else:
-                g.productive_s += excess  # the machine's noise: still training
-        last = mine[-1]["time"]
-        stop = max(rec.get("ended_at") or last, last)
-        tail = {"succeeded": "checkpoint", "preempted": "preemption_wait"}.get(rec.get("status", ""), gap_cause)
-        g.badput_s[tail] += stop - last
-        reached = max(reached, max(r["step"] for r in mine))
-        prev_end, prev_status, end = stop, rec.get("status"), max(end, stop)
-    g.wall_s = end - begin
+        recovery = "startup" if n == 0 else gap_cause
+        line.take(gap_cause, _start(rec) or 0.0)  # the previous attempt's end to this one's process start
+        mine = by_attempt.get(rec.get("id", ""), [])
+        if mine:
+            _attempt_steps(line, rec, mine, median, reached, recovery, (saves, evals))
+            reached = max(reached, max(r["step"] for r in mine))
+            tail = {"succeeded": "checkpoint", "preempted": "preemption_wait"}.get(rec.get("status", ""), gap_cause)
+        else:
+            tail = recovery  # died before its first step: everything it ran was recovery
+        line.take(tail, rec.get("ended_at") or 0.0)
+        prev_status = rec.get("status")
+    g.wall_s = line.at - begin
     g.steps = len({r["step"] for r in train})
     g.steps_run = len(train)
     g.attempts = len(attempts)
     return g
 
 
-def _step(g: Goodput, step: int, seconds: float, reached: int) -> None:
-    if step <= reached:
-        g.badput_s["recomputed_steps"] += seconds
-    else:
-        g.productive_s += seconds
+def _attempt_steps(
+    line: _Timeline,
+    rec: dict[str, Any],
+    mine: list[dict[str, Any]],
+    median: float,
+    reached: int,
+    recovery: str,
+    marks: tuple[list[float], list[float]],
+) -> None:
+    """One attempt from its process start to its last step: start-up or restart, restore, the first
+    step (the run's median step at most), then each step (its excess over the median goes to a save
+    or an evaluation that fell inside it, else stays productive: the machine's noise)."""
+    saves, evals = marks
+    first = mine[0]
+    restore = float((rec.get("restored") or {}).get("seconds") or 0.0)
+    # the first step's window: start-up, then the restore, then the step itself (restore and step
+    # are what come last before the row; start-up gets what is left, never a negative share)
+    window = max(0.0, first["time"] - line.at)
+    step_s = min(median, window)
+    restore_s = min(restore, window - step_s)
+    line.take_for(recovery, window - step_s - restore_s, first["time"])
+    line.take_for("restore", restore_s, first["time"])
+    line.take("recomputed_steps" if first["step"] <= reached else None, first["time"])
+    for a, b in zip(mine, mine[1:], strict=False):
+        step_cause = "recomputed_steps" if b["step"] <= reached else None
+        line.take_for(step_cause, median, b["time"])
+        if _within(saves, a["time"], b["time"]):
+            line.take("checkpoint", b["time"])
+        elif _within(evals, a["time"], b["time"]):
+            line.take("evaluation", b["time"])
+        else:
+            line.take(step_cause, b["time"])  # the machine's noise: still training (or training again)
 
 
 def goodput_from_records(run_dir: Path, until: float | None = None) -> Goodput:
