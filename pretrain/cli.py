@@ -148,7 +148,10 @@ def _soak(args: argparse.Namespace) -> int:
     from pretrain.soak.schedule import SoakRequestError
 
     try:
-        return run_soak(args.config, args.faults, args.mtti, args.seed, args.kinds, args.workdir, args.steps)
+        return run_soak(
+            args.config, args.faults, args.mtti, args.seed, args.kinds, args.workdir, args.steps, args.mtti_steps,
+            args.baseline_alongside,
+        )  # fmt: skip
     except SoakRequestError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -311,6 +314,19 @@ def _add_experiment_commands(sub: argparse._SubParsersAction) -> None:
     so.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
     so.add_argument("--faults", type=int, default=10, help="how many faults to inject")
     so.add_argument("--mtti", type=float, default=30.0, help="mean seconds from a recovery to the next fault")
+    so.add_argument(
+        "--mtti-steps",
+        type=float,
+        default=None,
+        help="pace faults by steps trained instead of seconds: mean steps from a recovery to the next fault "
+        "(where faults land then does not depend on the machine's speed; replaces --mtti)",
+    )
+    so.add_argument(
+        "--baseline-alongside",
+        action="store_true",
+        help="run the fault-free baseline at the same time as the faulted run (sooner done; the time-to-N-steps "
+        "ratio then compares two runs sharing the machine)",
+    )
     so.add_argument("--seed", type=int, default=0, help="the schedule's random generator is seeded with this")
     so.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
     so.add_argument("--steps", type=int, default=300, help="steps of the faulted run (and of the baseline)")

@@ -10,7 +10,16 @@ import pytest
 import yaml
 
 from pretrain.cli import main
-from pretrain.soak.schedule import KINDS, SoakRequestError, Survivability, check_request, draw_schedule, parse_kinds
+from pretrain.soak.schedule import (
+    INJECTION_LATENCY_STEPS,
+    KINDS,
+    SoakRequestError,
+    Survivability,
+    check_fits,
+    check_request,
+    draw_schedule,
+    parse_kinds,
+)
 from tests.helpers import TINY
 
 CAN = Survivability(replicated=True, restart_s=4.0)
@@ -35,6 +44,24 @@ def test_gaps_are_exponential_at_the_mtti() -> None:
     assert 28.0 < statistics.mean(gaps) < 32.0
     # an exponential's median is ln 2 x its mean
     assert 0.65 * 30 < statistics.median(gaps) < 0.74 * 30
+
+
+def test_gaps_paced_by_steps_are_whole_steps_at_the_mtti_and_draw_the_same_faults() -> None:
+    in_steps = draw_schedule(list(KINDS), 4000, 5.0, ranks=2, seed=1, in_steps=True)
+    in_seconds = draw_schedule(list(KINDS), 4000, 5.0, ranks=2, seed=1)
+    assert [(p.kind, p.rank) for p in in_steps] == [(p.kind, p.rank) for p in in_seconds]
+    gaps = [p.gap_steps for p in in_steps]
+    assert all(isinstance(g, int) and g >= 1 for g in gaps) and 4.7 < statistics.mean(gaps) < 5.5
+    assert all(p.gap_steps is None for p in in_seconds)
+
+
+def test_a_run_too_short_for_its_step_paced_faults_is_refused_naming_the_steps_it_needs() -> None:
+    plan = draw_schedule(["kill-rank"], 3, 4.0, ranks=2, seed=2, in_steps=True)
+    need = sum(p.gap_steps + INJECTION_LATENCY_STEPS for p in plan if p.gap_steps) + 5 + 1
+    check_fits(plan, need, margin=5)
+    with pytest.raises(SoakRequestError, match=f"fix: pass --steps {need} or more"):
+        check_fits(plan, need - 1, margin=5)
+    check_fits(draw_schedule(["kill-rank"], 3, 4.0, ranks=2, seed=2), 1, margin=5)  # seconds: no bound
 
 
 @pytest.mark.parametrize(
@@ -65,6 +92,8 @@ def test_the_command_refuses_bad_input_before_running_anything(
     unreplicated.write_text(yaml.safe_dump(cfg))
     for args, says in (
         (["--faults", "3", "--mtti", "0.5"], "faults would arrive faster than recovery"),
+        (["--faults", "3", "--mtti-steps", "0.5"], "paced by whole steps"),
+        (["--faults", "6", "--mtti-steps", "20", "--steps", "30"], "too short for 6 faults paced by steps"),
         (["--kinds", "kill-rank,nope"], "unknown kind 'nope'"),
         (["--kinds", "kill-rank,kill-node", "--config", str(unreplicated)], "kill-node lose a node"),
     ):

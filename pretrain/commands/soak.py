@@ -12,14 +12,23 @@ baseline's, every attempt record names the fault injected and the second resume 
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from pretrain.observability.goodput import format_goodput, goodput_from_records
 from pretrain.resilience.attempts import read_attempts
 from pretrain.soak.report import build_report, losses_match, write_report
-from pretrain.soak.runner import SECOND_RESUME_STEPS, SoakRunner, SoakSettings, read_metrics
-from pretrain.soak.schedule import Survivability, check_request, draw_schedule, parse_kinds
+from pretrain.soak.runner import (
+    END_MARGIN_STEPS,
+    SECOND_RESUME_STEPS,
+    FaultEvent,
+    RunTimes,
+    SoakRunner,
+    SoakSettings,
+    read_metrics,
+)
+from pretrain.soak.schedule import PlannedFault, Survivability, check_fits, check_request, draw_schedule, parse_kinds
 from pretrain.soak.timeline import plot_timeline
 
 # A restart of the tiny CPU job (detection, new processes, imports, rendezvous, restore, first step)
@@ -62,28 +71,54 @@ def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, A
     }
 
 
+def baseline_and_faulted(
+    runner: SoakRunner, schedule: list[PlannedFault], alongside: bool
+) -> tuple[RunTimes, tuple[RunTimes, list[FaultEvent], str | None]]:
+    """The fault-free baseline, then the faulted run; ``alongside``: both at once (the faulted run
+    idles through every detection and restart, so the pair ends sooner, but each then shares the
+    machine with the other: the time-to-N-steps ratio is no longer a clean one)."""
+    steps, kinds = runner.s.steps, ", ".join(p.kind for p in schedule)
+    print(f"[soak] baseline: {runner.total_steps} steps without faults" + (" (alongside)" if alongside else ""))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        base = pool.submit(runner.plain_run, "baseline", runner.total_steps, "job.log")
+        if not alongside:
+            base.result()
+        print(f"[soak] faulted run: {steps} steps, {len(schedule)} faults: {kinds}", flush=True)
+        faulted = runner.faulted_run(schedule)
+        return base.result(), faulted
+
+
 def run_soak(
-    config: str | None, faults: int, mtti: float, seed: int, kinds_spec: str | None, workdir: str, steps: int
+    config: str | None,
+    faults: int,
+    mtti: float,
+    seed: int,
+    kinds_spec: str | None,
+    workdir: str,
+    steps: int,
+    mtti_steps: float | None = None,
+    alongside: bool = False,
 ) -> int:
     kinds = parse_kinds(kinds_spec)
     runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps))
     cfg = runner.loaded()
-    check_request(kinds, faults, mtti, Survivability(cfg.checkpoint.replication.factor >= 2, RESTART_S))
+    can = Survivability(cfg.checkpoint.replication.factor >= 2, RESTART_S)
+    check_request(kinds, faults, mtti, can, mtti_steps)
+    in_steps = mtti_steps is not None
+    schedule = draw_schedule(kinds, faults, mtti_steps or mtti, ranks=runner.s.nproc, seed=seed, in_steps=in_steps)
+    check_fits(schedule, steps, END_MARGIN_STEPS)
     work = runner.work
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     runner.prepare_data()
-    print(f"[soak] baseline: {runner.total_steps} steps without faults", flush=True)
-    base = runner.plain_run("baseline", runner.total_steps, "job.log")
-    schedule = draw_schedule(kinds, faults, mtti, ranks=runner.s.nproc, seed=seed)
-    print(f"[soak] faulted run: {steps} steps, {faults} faults: " + ", ".join(p.kind for p in schedule), flush=True)
-    times, events, stopped = runner.faulted_run(schedule)
+    base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
     resume = second_resume(runner, steps, runner.run_dir("baseline"))
     report = build_report(
         runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume
     )
-    head = write_report(work, report, runner.run_dir("faulted"), times.ended_at, seed, mtti)
+    pace = f"{mtti_steps:g} steps" if in_steps else f"{mtti:g} s"
+    head = write_report(work, report, runner.run_dir("faulted"), times.ended_at, seed, pace)
     plot_timeline(
         work / "soak-timeline.png", runner.run_dir("baseline"), base.launched_at, runner.run_dir("faulted"),
         times.launched_at, report["faults"],

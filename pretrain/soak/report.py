@@ -84,6 +84,7 @@ def _fault_row(
         "ranks": want_ranks,
         "at_s": round(t - t0, 3),
         "gap_s": event.plan.gap_s,
+        "gap_steps": event.plan.gap_steps,
         "attempt_hit": event.attempt,
         "recorded_class": got_class,
         "expected_class": kind.expect,
@@ -223,14 +224,14 @@ def _fmt(x: float | None) -> str:
 
 
 def write_report(
-    work: Path, report: dict[str, Any], faulted_dir: Path, faulted_end: float, seed: int, mtti: float
+    work: Path, report: dict[str, Any], faulted_dir: Path, faulted_end: float, seed: int, mtti: str
 ) -> list[str]:
     write_json(work / "soak-report.json", report)
     head = headline_lines(report, faulted_dir, faulted_end)
     lines = [
         "# Soak report",
         "",
-        f"Random faults (seed {seed}, exponential gaps at an MTTI of {mtti:g} s after each recovery) against a "
+        f"Random faults (seed {seed}, exponential gaps at an MTTI of {mtti} after each recovery) against a "
         "2-rank CPU job under ft_launcher, compared with the same steps run without faults.",
         "",
         f"Result: **{'PASS' if report['passed'] else 'FAIL'}**",

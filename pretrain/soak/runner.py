@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 FT_CONFIG = REPO / "configs" / "ft-cpu-sections.yaml"  # hangs found within a few step times
 RUN_ID = "soak"
 POLL_S = 0.05
-SECOND_RESUME_STEPS = 10  # steps the extra restart trains after the soak's run ended
+SECOND_RESUME_STEPS = 3  # steps the extra restart trains after the soak's run ended (its restore is the point)
 JOB_TIMEOUT_S = 1800.0
 END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a step to fire in
 
@@ -176,7 +176,7 @@ class SoakRunner:
                 if live is None:
                     stopped = why
                     break
-                if not self._sleep_unless_ended(job, plan.gap_s):
+                if not self._wait_gap(job, plan, live.attempt):
                     stopped = f"the job ended before fault {plan.index + 1} ({plan.kind}) was due"
                     break
                 if self._last_step() >= self.s.steps - END_MARGIN_STEPS:
@@ -242,6 +242,18 @@ class SoakRunner:
                 return None, f"the job ended (exit {job.proc.returncode}) before a new attempt trained"
             time.sleep(POLL_S)
         return None, f"no attempt trained for {JOB_TIMEOUT_S:.0f} s"
+
+    def _wait_gap(self, job: Job, plan: PlannedFault, attempt: str) -> bool:
+        """The planned gap after a recovery: seconds, or steps trained (False: the job ended first)."""
+        if plan.gap_steps is None:
+            return self._sleep_unless_ended(job, plan.gap_s)
+        # steps this attempt trained after its first one (rows of the attempt it replaced come first)
+        while sum(r["attempt"] == attempt for r in read_metrics(self.run_dir("faulted"))) <= plan.gap_steps:
+            assert job.proc is not None
+            if job.proc.poll() is not None:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     @staticmethod
     def _sleep_unless_ended(job: Job, seconds: float) -> bool:

@@ -8,9 +8,11 @@ Pure logic, no I/O. Building blocks:
   requested ones in a shuffled order (every kind appears once before any repeats), each fault's rank
   is drawn uniformly, and its gap after the previous recovery is exponential with mean MTTI (a
   Poisson process of interrupts, as Megatron-Core's fault injector and torchft's failure
-  controller draw them);
-* :func:`check_request`: bad input refused in one line each (an unknown kind, an MTTI shorter than
-  a restart, a kind the configuration cannot survive).
+  controller draw them), in seconds, or in steps trained (``--mtti-steps``: where each fault lands
+  then does not depend on how fast the machine trains, which a short CI soak needs);
+* :func:`check_request`, :func:`check_fits`: bad input refused in one line each (an unknown kind,
+  an MTTI shorter than a restart, a kind the configuration cannot survive, faults paced by steps
+  that cannot all land before the run's last step).
 
 ``pretrain.soak.inject`` turns a :class:`PlannedFault` into signals and trigger files;
 ``pretrain.soak.runner`` waits for each recovery before the next gap starts.
@@ -52,12 +54,18 @@ KINDS: dict[str, Kind] = {
 }
 
 
+# Steps a job may train between the moment a fault is due and the moment it acts: the runner polls
+# the records every 50 ms, and an in-rank fault fires at the start of the rank's next step.
+INJECTION_LATENCY_STEPS = 3
+
+
 @dataclass(frozen=True)
 class PlannedFault:
     index: int
     kind: str
     rank: int  # the rank hit (for a node: a rank on that node; for the job: 0)
     gap_s: float  # seconds after the previous fault's recovery
+    gap_steps: int | None = None  # paced by steps instead: steps trained after the previous recovery
 
 
 @dataclass(frozen=True)
@@ -81,11 +89,17 @@ def parse_kinds(spec: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_request(kinds: list[str], faults: int, mtti_s: float, can: Survivability) -> None:
+def check_request(
+    kinds: list[str], faults: int, mtti_s: float, can: Survivability, mtti_steps: float | None = None
+) -> None:
     """Refuse a soak that cannot mean what it says (one line each, ``fix:`` included)."""
     if faults < 1:
         raise SoakRequestError(f"soak: --faults {faults}: at least one fault; fix: pass --faults 1 or more")
-    if mtti_s < can.restart_s:
+    if mtti_steps is not None and mtti_steps < 1:
+        raise SoakRequestError(
+            f"soak: --mtti-steps {mtti_steps:g}: faults are paced by whole steps; fix: pass --mtti-steps 1 or more"
+        )
+    if mtti_steps is None and mtti_s < can.restart_s:
         raise SoakRequestError(
             f"soak: --mtti {mtti_s:g}s is shorter than a restart (~{can.restart_s:g}s): faults would arrive faster "
             f"than recovery; fix: pass --mtti {can.restart_s:g} or more"
@@ -100,8 +114,24 @@ def check_request(kinds: list[str], faults: int, mtti_s: float, can: Survivabili
             )
 
 
-def draw_schedule(kinds: list[str], faults: int, mtti_s: float, ranks: int, seed: int) -> list[PlannedFault]:
-    """``faults`` faults from one generator seeded with ``seed``: the same arguments, the same schedule."""
+def check_fits(schedule: list[PlannedFault], steps: int, margin: int) -> None:
+    """Faults paced by steps must all land before the run ends: each lands at most ``gap_steps``
+    plus a few steps (its injection's latency) after the previous one, and none in the last
+    ``margin`` steps. Refuses a run too short for its schedule, naming the steps it needs."""
+    paced = [p.gap_steps for p in schedule if p.gap_steps is not None]
+    need = sum(g + INJECTION_LATENCY_STEPS for g in paced) + margin + 1
+    if paced and steps < need:
+        raise SoakRequestError(
+            f"soak: --steps {steps} is too short for {len(paced)} faults paced by steps (they may need up to "
+            f"step {need} to land); fix: pass --steps {need} or more, or a smaller --mtti-steps"
+        )
+
+
+def draw_schedule(
+    kinds: list[str], faults: int, mtti: float, ranks: int, seed: int, in_steps: bool = False
+) -> list[PlannedFault]:
+    """``faults`` faults from one generator seeded with ``seed``: the same arguments, the same
+    schedule. ``in_steps``: ``mtti`` is a mean number of steps, each gap a whole number of them (>= 1)."""
     rng = random.Random(seed)
     order: list[str] = []
     while len(order) < faults:
@@ -111,5 +141,9 @@ def draw_schedule(kinds: list[str], faults: int, mtti_s: float, ranks: int, seed
     out = []
     for i, kind in enumerate(order[:faults]):
         rank = 0 if KINDS[kind].target == "job" else rng.randrange(ranks)
-        out.append(PlannedFault(index=i, kind=kind, rank=rank, gap_s=round(rng.expovariate(1.0 / mtti_s), 3)))
+        gap = rng.expovariate(1.0 / mtti)
+        if in_steps:
+            out.append(PlannedFault(index=i, kind=kind, rank=rank, gap_s=0.0, gap_steps=max(1, round(gap))))
+        else:
+            out.append(PlannedFault(index=i, kind=kind, rank=rank, gap_s=round(gap, 3)))
     return out
