@@ -150,7 +150,7 @@ def _soak(args: argparse.Namespace) -> int:
     try:
         return run_soak(
             args.config, args.faults, args.mtti, args.seed, args.kinds, args.workdir, args.steps, args.mtti_steps,
-            args.baseline_alongside,
+            args.baseline_alongside, args.data,
         )  # fmt: skip
     except SoakRequestError as exc:
         print(exc, file=sys.stderr)
@@ -330,6 +330,9 @@ def _add_experiment_commands(sub: argparse._SubParsersAction) -> None:
     so.add_argument("--seed", type=int, default=0, help="the schedule's random generator is seeded with this")
     so.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
     so.add_argument("--steps", type=int, default=300, help="steps of the faulted run (and of the baseline)")
+    so.add_argument(
+        "--data", default=None, help="an indexed dataset prefix to train on (default: a 1 MB synthetic corpus)"
+    )
     so.add_argument("--workdir", default="runs/soak")
     so.set_defaults(func=_soak)
 

@@ -22,10 +22,11 @@ STEPS = 52
 
 
 @pytest.mark.timeout(600)  # about 2 min on an idle 2-core machine (see the commit that set STEPS)
-def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_path: Path) -> None:
+def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_path: Path, corpus: Path) -> None:
     work = tmp_path / "soak"
     cmd = [PYTHON, "-m", "pretrain", "soak", "--faults", "6", "--mtti-steps", "5", "--seed", "3"]
     cmd += ["--steps", str(STEPS), "--kinds", KINDS, "--workdir", str(work), "--baseline-alongside"]
+    cmd += ["--data", str(corpus)]  # the suite's corpus: built once, in-process
     proc = run(cmd, tmp_path, timeout=540, check=False)
     report = json.loads((work / "soak-report.json").read_text())
     h = report["headline"]
@@ -40,11 +41,15 @@ def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_pa
         assert f["recorded_class"] == f["expected_class"] and f["recovered"] and f["detection_s"] is not None, f
         if f["fault_to_next_step_s"] is not None:  # None: it hit the last steps, the next attempt only restored
             assert 0 < f["detection_s"] <= f["fault_to_next_step_s"], f
+            parts = f["breakdown_s"]  # where those seconds went: the parts add up to the whole
+            assert parts["detection"] == f["detection_s"], f
+            assert sum(parts.values()) == pytest.approx(f["fault_to_next_step_s"], abs=0.01), f
     g = report["goodput"]["faulted"]
     assert set(g["badput_s"]) == set(CAUSES) and 0 < g["goodput_ratio"] < report["goodput"]["baseline"]["goodput_ratio"]
     parts = g["productive_s"] + sum(g["badput_s"].values())
     assert parts == pytest.approx(g["wall_s"], abs=0.005), g  # a partition: each part rounded to the ms
     assert "recovery success     : 100%" in proc.stdout and "goodput (faulted run" in proc.stdout
+    assert "fault -> next step, median s: detection | launcher_restart" in proc.stdout
     md = (work / "soak-report.md").read_text()
     assert "Result: **PASS**" in md and md.count("| yes |") == 6
     png = (work / "soak-timeline.png").read_bytes()

@@ -94,6 +94,7 @@ def test_the_command_refuses_bad_input_before_running_anything(
         (["--faults", "3", "--mtti", "0.5"], "faults would arrive faster than recovery"),
         (["--faults", "3", "--mtti-steps", "0.5"], "paced by whole steps"),
         (["--faults", "6", "--mtti-steps", "20", "--steps", "30"], "too short for 6 faults paced by steps"),
+        (["--data", str(tmp_path / "nowhere")], "no indexed dataset there"),
         (["--kinds", "kill-rank,nope"], "unknown kind 'nope'"),
         (["--kinds", "kill-rank,kill-node", "--config", str(unreplicated)], "kill-node lose a node"),
     ):

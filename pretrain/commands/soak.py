@@ -28,7 +28,15 @@ from pretrain.soak.runner import (
     SoakSettings,
     read_metrics,
 )
-from pretrain.soak.schedule import PlannedFault, Survivability, check_fits, check_request, draw_schedule, parse_kinds
+from pretrain.soak.schedule import (
+    PlannedFault,
+    SoakRequestError,
+    Survivability,
+    check_fits,
+    check_request,
+    draw_schedule,
+    parse_kinds,
+)
 from pretrain.soak.timeline import plot_timeline
 
 # A restart of the tiny CPU job (detection, new processes, imports, rendezvous, restore, first step)
@@ -71,6 +79,22 @@ def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, A
     }
 
 
+def check_data(prefix: str | None) -> Path | None:
+    """``--data``: an existing Megatron indexed dataset (``PREFIX.bin`` and ``PREFIX.idx``), or None."""
+    if prefix is None:
+        return None
+    path = Path(prefix).resolve()
+    missing = [
+        str(p) for p in (path.with_name(path.name + ".bin"), path.with_name(path.name + ".idx")) if not p.exists()
+    ]
+    if missing:
+        raise SoakRequestError(
+            f"soak: --data {prefix}: no indexed dataset there ({', '.join(missing)} missing); fix: pass the prefix "
+            "pretrain prepare-data wrote (--output), or leave --data out for a synthetic corpus"
+        )
+    return path
+
+
 def baseline_and_faulted(
     runner: SoakRunner, schedule: list[PlannedFault], alongside: bool
 ) -> tuple[RunTimes, tuple[RunTimes, list[FaultEvent], str | None]]:
@@ -98,9 +122,10 @@ def run_soak(
     steps: int,
     mtti_steps: float | None = None,
     alongside: bool = False,
+    data: str | None = None,
 ) -> int:
     kinds = parse_kinds(kinds_spec)
-    runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps))
+    runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps, data=check_data(data)))
     cfg = runner.loaded()
     can = Survivability(cfg.checkpoint.replication.factor >= 2, RESTART_S)
     check_request(kinds, faults, mtti, can, mtti_steps)

@@ -26,6 +26,10 @@ from pretrain.soak.runner import FaultEvent, RunTimes, read_metrics, write_json
 from pretrain.soak.schedule import KINDS
 
 COMPARED = ("loss", "grad_norm", "lr")
+# Fault -> next step, in order: the launcher finding the fault and tearing the group down; starting
+# the new processes (the soak's relaunch too, for a job-level fault); the interpreter, imports and
+# process group; model and optimizer build; the restore; the first step.
+BREAKDOWN = ("detection", "launcher_restart", "startup_imports_pg", "build", "restore", "first_step")
 
 
 def recorded_class(rec: dict[str, Any]) -> str:
@@ -75,6 +79,7 @@ def _fault_row(
     nxt = later[0] if later else {}
     first_next = next((r for r in rows if r["time"] > t and r["attempt"] != event.attempt), None)
     restore = next((e for e in restores if e.get("attempt") == nxt.get("id")), {})
+    nxt_first = next((r for r in rows if r["attempt"] == nxt.get("id")), None)
     got_class, got_ranks = recorded_class(hit), recorded_ranks(hit)
     want_ranks = sorted(event.injected.ranks)
     ranks_ok = kind.expect == "preempted" or got_ranks == want_ranks
@@ -98,6 +103,7 @@ def _fault_row(
         or any(
             (a.get("started_at") or 0) > t and a.get("status") == "succeeded" and a.get("restored") for a in attempts
         ),
+        "breakdown_s": recovery_breakdown(t, event.gone_at, nxt, restore, nxt_first),
         "restored": nxt.get("restored"),
         "lost_steps": nxt.get("lost_steps"),
         "detail": event.injected.detail,
@@ -106,6 +112,28 @@ def _fault_row(
         flipped = event.injected.detail["step"]
         row["flipped_copy_rejected"] = any(r.get("step") == flipped for r in restore.get("rejected", []))
     return row
+
+
+def recovery_breakdown(
+    fault_at: float,
+    gone_at: float | None,
+    nxt: dict[str, Any],
+    restore: dict[str, Any],
+    first_row: dict[str, Any] | None,
+) -> dict[str, float] | None:
+    """Where the seconds from a fault to the next attempt's first step went, from boundaries the
+    records already hold: every process of the hit attempt gone (the runner), the new rank process's
+    start (``process_started_at``), its attempt record opened after the process group formed
+    (``started_at``), the restore's end and length (its ``restore`` event; a ``fresh_start`` event
+    when there was nothing to restore) and the first step's row. The parts add up to fault -> next
+    step; None when a boundary is missing (the fault hit the last steps)."""
+    ends = [gone_at, nxt.get("process_started_at"), nxt.get("started_at"), restore.get("time")]
+    if first_row is None or None in ends:
+        return None
+    gone, proc, opened, restored = (float(e or 0.0) for e in ends)
+    restore_s = float(restore.get("seconds") or 0.0)
+    marks = [fault_at, gone, proc, opened, restored - restore_s, restored, float(first_row["time"])]
+    return {part: round(b - a, 3) for part, a, b in zip(BREAKDOWN, marks, marks[1:], strict=False)}
 
 
 def losses_match(base: list[dict[str, Any]], faulted: list[dict[str, Any]]) -> tuple[int, list[int]]:
@@ -120,6 +148,15 @@ def _per_kind(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, float
     for kind in dict.fromkeys(r["kind"] for r in rows):
         vals = [r[key] for r in rows if r["kind"] == kind and r[key] is not None]
         out[kind] = {"n": len(vals), "median": percentile(vals, 50), "p95": percentile(vals, 95)}
+    return out
+
+
+def _breakdown_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind, and over every fault ("all"): how many faults had a breakdown, each part's median."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in ["all", *dict.fromkeys(r["kind"] for r in rows)]:
+        parts = [r["breakdown_s"] for r in rows if r["breakdown_s"] and kind in ("all", r["kind"])]
+        out[kind] = {"n": len(parts), **{p: percentile([b[p] for b in parts], 50) for p in BREAKDOWN}}
     return out
 
 
@@ -138,7 +175,8 @@ def build_report(
     attempts = [a for a in read_attempts(faulted_dir) if (a.get("started_at") or 0) <= faulted_times.ended_at]
     rows = [r for r in read_metrics(faulted_dir) if r["time"] <= faulted_times.ended_at]
     base_rows = read_metrics(base_dir)
-    restores = [e for e in read_jsonl(faulted_dir / "events.jsonl") if e.get("event") == "restore"]
+    # restores, and fresh starts (an attempt with nothing to restore): where each attempt's build ended
+    restores = [e for e in read_jsonl(faulted_dir / "events.jsonl") if e.get("event") in ("restore", "fresh_start")]
     faults = [_fault_row(e, attempts, rows, restores, faulted_times.launched_at) for e in events]
     compared, differ = losses_match(base_rows, rows)
     reached = max((r["step"] for r in rows), default=0)
@@ -165,6 +203,7 @@ def build_report(
         "lost_steps_per_fault": {"mean": sum(lost) / len(lost) if lost else None, "max": max(lost, default=None)},
         "detection_s": _per_kind(faults, "detection_s"),
         "fault_to_next_step_s": _per_kind(faults, "fault_to_next_step_s"),
+        "recovery_breakdown_median_s": _breakdown_medians(faults),
         "second_resume": second_resume,
     }
     ok = (
@@ -214,6 +253,9 @@ def headline_lines(report: dict[str, Any], faulted_dir: Path, until: float) -> l
             f"  {kind:<13} n={det['n']}  {_fmt(det['median'])} / {_fmt(det['p95'])} | "
             f"{_fmt(nxt.get('median'))} / {_fmt(nxt.get('p95'))}"
         )
+    lines.append("fault -> next step, median s: " + " | ".join(BREAKDOWN))
+    for kind, med in h["recovery_breakdown_median_s"].items():
+        lines.append(f"  {kind:<13} n={med['n']}  " + " | ".join(_fmt(med[p]) for p in BREAKDOWN))
     g = goodput_from_records(faulted_dir, until=until)
     lines.append(format_goodput(g, "goodput (faulted run, from its records)"))
     return lines

@@ -47,6 +47,7 @@ class SoakSettings:
     steps: int
     nproc: int = 2
     overrides: list[str] = field(default_factory=list)
+    data: Path | None = None  # an existing indexed dataset (prefix); None: a synthetic one in the workdir
 
 
 @dataclass
@@ -120,7 +121,7 @@ class SoakRunner:
         settings = {
             "run.dir": root / "runs",
             "run.id": RUN_ID,
-            "data.prefix": self.work / "data" / "corpus",
+            "data.prefix": self.data_prefix,
             "checkpoint.local.dir": root / "ckpt-local",
             "checkpoint.reshardable.dir": root / "ckpt-reshardable",
             "train.steps": steps,
@@ -141,7 +142,14 @@ class SoakRunner:
     def loaded(self) -> Config:
         return load_config(self.s.config, list(self.s.overrides))
 
+    @property
+    def data_prefix(self) -> Path:
+        return self.s.data if self.s.data is not None else self.work / "data" / "corpus"
+
     def prepare_data(self) -> None:
+        """A 1 MB synthetic corpus in the workdir, unless the soak was given one (``--data``)."""
+        if self.s.data is not None:
+            return
         cmd = [sys.executable, "-m", "pretrain", "prepare-data", "--synthetic-mb", "1"]
         cmd += ["--output", str(self.work / "data" / "corpus")]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
