@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 # install their own torch first; the project itself only requires torch>=2.6.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv sysdeps demo test test-fast lint format bench bench-tier0 clean gpu-check gpu-wheels
+.PHONY: venv sysdeps demo test test-fast lint format bench bench-tier0 soak clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,14 @@ bench: venv sysdeps
 # Tier 0 against raw tmpfs reads/writes of the same bytes (docs/memory-tier.md); a minute or two.
 bench-tier0: venv
 	$(BIN)/python -m bench.memory_tier_numbers --sizes-mb 300 --repeats 5 > bench/results/tier0-$$(date -u +%F).json
+
+# The long soak (docs/soak.md): >= 50 random faults covering every kind against the tiny config and a
+# fault-free baseline; an hour or more on 2 cores. The report is copied to bench/results/.
+SOAK_ARGS ?= --faults 54 --mtti 30 --seed 1 --steps 12000
+soak: venv
+	PYTHONWARNINGS=ignore $(BIN)/pretrain soak $(SOAK_ARGS) --workdir runs/soak-long
+	cp runs/soak-long/soak-report.json bench/results/soak-$$(date -u +%F).json
+	cp runs/soak-long/soak-report.md bench/results/soak-$$(date -u +%F).md
 
 # The prepared single-GPU check (tests/gpu/, one JSON report): on the GPU machine, with wheels/
 # carried from `make gpu-wheels`; `make gpu-check GPU_CHECK_ARGS=--cpu` is the CPU dry run that

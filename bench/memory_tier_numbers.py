@@ -5,7 +5,14 @@
   many threads in the verifier's 4 MiB blocks (the bytes in memory, nothing checked): target <= 1.5x;
 * snapshot: the tier-0 write of one state (invalidate, serialise straight into the slot file in
   place, hash the file by chunks, seal) / a raw in-place write of the same serialised bytes into a
-  tmpfs file (no header, no hash): reported (what a snapshot costs the writer thread).
+  tmpfs file (no header, no hash): reported (what a snapshot costs the writer thread);
+* peak memory: in a fresh process holding one state, ``slots + 1`` snapshots (every slot written,
+  then the oldest rewritten); then, as a restarted rank, the state restored from the newest slot
+  (mapped, then updated in place as the optimizer does) and ``slots`` more snapshots of it: the most
+  anonymous memory the process gained (sampled every 2 ms) plus the tmpfs in use, over the state's
+  size, at both points; target <= 2 x slots + 0.3. The tmpfs figure is the filesystem's used bytes,
+  so a slot rewritten on a new inode while the old one is still mapped counts twice, as it does on
+  the node: give ``--dir`` a tmpfs of its own for exact figures.
 
 ``python -m bench.memory_tier_numbers --sizes-mb 300 --repeats 5`` prints JSON.
 """
@@ -17,8 +24,10 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,6 +102,83 @@ def _raw_write(path: Path, data: bytes) -> float:
     return time.perf_counter() - t0
 
 
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no RssAnon line")
+
+
+def _tmpfs_used(root: Path) -> int:
+    """Bytes in use on the filesystem of ``root``: unlinked files a process still maps included."""
+    st = os.statvfs(root)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def peak_memory_probe(mb: int, slots: int, root: Path) -> dict[str, Any]:
+    """Run in a fresh process (``--peak-probe``), ``root`` on a tmpfs of its own (its used bytes
+    are read from the filesystem, so that a mapped, unlinked slot counts): see the module docstring."""
+    state = make_state(mb)
+    state_bytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values())
+    base, used0, peak, done = _rss_anon(), _tmpfs_used(root), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], _rss_anon())
+
+    def snapshot(step: int, src: dict[str, Any], fresh_inode: bool) -> None:
+        index = step % slots
+        store.write_payload(index, lambda fh: save_state(src, fh), fresh_inode=fresh_inode)
+        manifest = Manifest("bench", step, 1, {"tp": 1, "pp": 1, "dp": 1}, [])
+        store.seal(index, manifest, store.digest(index, HASHING), step + 1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    store = SlotStore(root, "bench", 0, slots)
+    for step in range(slots + 1):  # every slot written, then the oldest rewritten
+        snapshot(step, state, fresh_inode=False)
+    steady = {"anon_growth_bytes": max(peak[0], _rss_anon()) - base, "tmpfs_bytes": _tmpfs_used(root) - used0}
+    # A restarted rank: the state restored from the newest slot (mapped) replaces its own, the
+    # optimizer's in-place update turns the mapped pages it touches into private copies, and the next
+    # snapshot into that slot goes to a new inode (the mapped one stays until the process drops it).
+    newest = slots % slots
+    store.verify(newest, VERIFY_THREADS)
+    del state
+    restored = load_verified_state(store.state_path(newest))
+    for part in restored.values():
+        for tensor in part.values():
+            tensor.add_(1.0)
+    for step in range(slots + 1, 2 * slots + 1):
+        snapshot(step, restored, fresh_inode=step % slots == newest)
+    after = {"anon_growth_bytes": max(peak[0], _rss_anon()) - base, "tmpfs_bytes": _tmpfs_used(root) - used0}
+    done.set()
+    sampler.join()
+
+    def ratio(row: dict[str, int]) -> float:
+        return round((row["anon_growth_bytes"] + row["tmpfs_bytes"]) / state_bytes, 3)
+
+    return {
+        "slots": slots,
+        "state_bytes": state_bytes,
+        "steady": {**steady, "ratio": ratio(steady)},
+        "after_a_tier0_restore": {**after, "ratio": ratio(after)},
+        "target": f"<= {2 * slots + 0.3}",
+    }
+
+
+def peak_memory(mb: int, slots: int, root: Path) -> dict[str, Any]:
+    probe = root / "peak"
+    probe.mkdir(exist_ok=True)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.memory_tier_numbers", "--peak-probe", str(mb), str(slots), str(probe)],
+            check=True, capture_output=True, text=True, timeout=600,
+        ).stdout  # fmt: skip
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return json.loads(out)
+
+
 def measure(mb: int, repeats: int, root: Path) -> dict[str, Any]:
     state = make_state(mb)
     store = SlotStore(root, "bench", 0, 2)
@@ -109,6 +195,7 @@ def measure(mb: int, repeats: int, root: Path) -> dict[str, Any]:
         "bytes": len(data),
         "restore_vs_raw_read": {**restore.summary("time"), "target": "<= 1.5"},
         "snapshot_vs_raw_write": snapshot.summary("time"),
+        "peak_memory": peak_memory(mb, 2, root),
         "threads": VERIFY_THREADS,
     }
 
@@ -118,7 +205,12 @@ def main() -> int:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[300])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default="/dev/shm", help="a tmpfs (the bench uses a fresh directory in it)")
+    parser.add_argument("--peak-probe", nargs=3, metavar=("MB", "SLOTS", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peak_probe:
+        mb, slots, where = args.peak_probe
+        print(json.dumps(peak_memory_probe(int(mb), int(slots), Path(where))))
+        return 0
     root = Path(tempfile.mkdtemp(prefix="rp-bench-tier0-", dir=args.dir))
     try:
         rows = [measure(mb, args.repeats, root) for mb in args.sizes_mb]

@@ -143,6 +143,20 @@ def _drill(args: argparse.Namespace) -> int:
     return run_drill(args.config, args.workdir)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from pretrain.commands.soak import run_soak
+    from pretrain.soak.schedule import SoakRequestError
+
+    try:
+        return run_soak(
+            args.config, args.faults, args.mtti, args.seed, args.kinds, args.workdir, args.steps, args.mtti_steps,
+            args.baseline_alongside, args.data,
+        )  # fmt: skip
+    except SoakRequestError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
 def _launch(args: argparse.Namespace) -> int:
     from pretrain.commands.launch import excluded_nodes, launch
     from pretrain.errors import JobStopped, LaunchError, NodeExcluded
@@ -185,6 +199,14 @@ def _status(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         print(f"pretrain status: {run_dir}: no such directory; fix: pass <run.dir>/<run.id>", file=sys.stderr)
         return 2
+    if args.goodput:
+        import json
+
+        from pretrain.observability.goodput import format_goodput, goodput_from_records
+
+        g = goodput_from_records(run_dir)
+        print(json.dumps(g.to_dict(), indent=2) if args.json else format_goodput(g))
+        return 0
     print(status_json(run_dir) if args.json else format_status(run_dir))
     return 0
 
@@ -279,6 +301,48 @@ def _add_data_commands(sub: argparse._SubParsersAction) -> None:
     tt.set_defaults(func=_train_tokenizer)
 
 
+def _add_experiment_commands(sub: argparse._SubParsersAction) -> None:
+    """The recovery experiments: ``drill`` (chosen faults) and ``soak`` (random ones)."""
+    dr = sub.add_parser(
+        "drill",
+        help="recovery drill at CPU scale: a kill restored and compared with an uninterrupted run, a restart, "
+        "damaged checkpoints rejected, repeated failures stopping the job; writes drill-report.{md,json} and a plot",
+    )
+    dr.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
+    dr.add_argument("--workdir", default="runs/drill")
+    dr.set_defaults(func=_drill)
+
+    so = sub.add_parser(
+        "soak",
+        help="random faults (seeded kinds, ranks, exponential gaps) against a job under ft_launcher, compared with "
+        "a fault-free run; writes soak-report.{md,json} and soak-timeline.png",
+    )
+    so.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
+    so.add_argument("--faults", type=int, default=10, help="how many faults to inject")
+    so.add_argument("--mtti", type=float, default=30.0, help="mean seconds from a recovery to the next fault")
+    so.add_argument(
+        "--mtti-steps",
+        type=float,
+        default=None,
+        help="pace faults by steps trained instead of seconds: mean steps from a recovery to the next fault "
+        "(where faults land then does not depend on the machine's speed; replaces --mtti)",
+    )
+    so.add_argument(
+        "--baseline-alongside",
+        action="store_true",
+        help="run the fault-free baseline at the same time as the faulted run (sooner done; the time-to-N-steps "
+        "ratio then compares two runs sharing the machine)",
+    )
+    so.add_argument("--seed", type=int, default=0, help="the schedule's random generator is seeded with this")
+    so.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
+    so.add_argument("--steps", type=int, default=300, help="steps of the faulted run (and of the baseline)")
+    so.add_argument(
+        "--data", default=None, help="an indexed dataset prefix to train on (default: a 1 MB synthetic corpus)"
+    )
+    so.add_argument("--workdir", default="runs/soak")
+    so.set_defaults(func=_soak)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -314,20 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="one line per attempt of a run: restores, lost steps, RTO, failures")
     st.add_argument("run_dir", help="<run.dir>/<run.id>, e.g. runs/tiny-run")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--goodput", action="store_true", help="productive time and badput by cause, from the records")
     st.set_defaults(func=_status)
 
     pl = sub.add_parser("plan", help="Young/Daly checkpoint intervals, projected goodput and storage capacity")
     add_plan_arguments(pl)
     pl.set_defaults(func=_plan)
 
-    dr = sub.add_parser(
-        "drill",
-        help="recovery drill at CPU scale: a kill restored and compared with an uninterrupted run, a restart, "
-        "damaged checkpoints rejected, repeated failures stopping the job; writes drill-report.{md,json} and a plot",
-    )
-    dr.add_argument("--config", default=None, help="base config (default: the embedded tiny-cpu config)")
-    dr.add_argument("--workdir", default="runs/drill")
-    dr.set_defaults(func=_drill)
+    _add_experiment_commands(sub)
 
     _add_tier3_commands(sub)
 

@@ -132,3 +132,9 @@ def remote_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str
         return f"file://{tmp_path / 'objects'}", None
     endpoint = request.getfixturevalue("s3_endpoint")
     return f"s3://{request.getfixturevalue('bucket')}/ckpt", endpoint
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The machine the durations above were measured on: they mean little without it."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    terminalreporter.line(f"machine: {os.cpu_count()} CPUs, load average {load} at the end of the run")

@@ -24,11 +24,7 @@ def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[No
         yield
     finally:
         del os.environ[leftovers.TEST_VAR]
-        left = [
-            (pid, cmd)
-            for pid, cmd in leftovers.carrying(leftovers.TEST_VAR, test_id)
-            if not leftovers.own_resource_tracker(pid, cmd)
-        ]
+        left = leftovers.left_behind(leftovers.TEST_VAR, test_id)
         if left:
             leftovers.kill_all(left)
             # Carried by the teardown report, so that an xdist controller lists it too.
@@ -91,7 +87,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if config.pluginmanager.hasplugin("dsession"):  # the xdist controller
         listings = LEFT_BY_WORKERS
     else:
-        left = leftovers.carrying(leftovers.SESSION_VAR, SESSION_ID)
+        left = leftovers.left_behind(leftovers.SESSION_VAR, SESSION_ID)
         leftovers.kill_all(left)
         listings = ["; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)] if left else []
         if hasattr(config, "workeroutput"):  # an xdist worker

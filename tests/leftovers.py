@@ -54,6 +54,11 @@ def own_resource_tracker(pid: int, cmd: str) -> bool:
     return ppid == os.getpid()
 
 
+def left_behind(var: str, value: str) -> list[tuple[int, str]]:
+    """What :func:`carrying` finds, less this process's own resource tracker."""
+    return [(pid, cmd) for pid, cmd in carrying(var, value) if not own_resource_tracker(pid, cmd)]
+
+
 def kill_all(procs: list[tuple[int, str]]) -> None:
     for pid, _ in procs:
         with contextlib.suppress(ProcessLookupError):

@@ -50,9 +50,9 @@ def _start(cluster: Cluster, index: int, work: Path, corpus: Path) -> subprocess
         "checkpoint.replication.allow_same_domain": "false",
         "checkpoint.memory.enabled": "true",
         "checkpoint.memory.dir": str(memory),
-        # A send must finish before its slot comes round again (slots - 1 steps): on this shared
-        # 2-core machine a step is ~0.5 s and the stream thread is starved at times.
-        "checkpoint.memory.slots": 4,
+        # Three slots: the newest sealed, the one being written and the one the peer stream sends
+        # (pinned); with two, a send slower than a step gives way to the own copy.
+        "checkpoint.memory.slots": 3,
     }
     skip = ("checkpoint.local.dir", "run.id")  # pretrain launch sets them from LOCAL_NVME / RUN_ID
     over = [o for o in overrides_for(work, corpus, **COMMON, **extra) if not o.startswith(skip)]

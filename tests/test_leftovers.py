@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 from tests import leftovers
@@ -26,6 +27,28 @@ def test_an_orphan_carrying_a_test_id_is_found_and_killed() -> None:
     while leftovers.carrying("RP_PROBE", marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers.carrying("RP_PROBE", marker) == []
+
+
+def test_this_process_s_resource_tracker_is_spared_and_a_child_it_started_is_not() -> None:
+    """multiprocessing's tracker lives as long as the interpreter that started it (pytest here):
+    killing it after a test would only make the next test start another."""
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker._pid  # noqa: SLF001 - the tracker's pid is not public
+    assert tracker is not None
+    cmd, deadline = "", time.monotonic() + 10
+    while not cmd and time.monotonic() < deadline:  # empty until the forked child has exec'd
+        cmd = Path(f"/proc/{tracker}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        time.sleep(0.01)
+    assert leftovers.own_resource_tracker(tracker, cmd), cmd
+    marker = leftovers.new_id()
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "RP_PROBE": marker}
+    )
+    try:
+        assert [pid for pid, _ in leftovers.left_behind("RP_PROBE", marker)] == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 SUITE = """

@@ -51,6 +51,26 @@ def test_slot_to_write_never_picks_the_newest_sealed_slot(views: list[SlotView],
     assert slot_to_write(views, "r") == expected
 
 
+@pytest.mark.parametrize(
+    ("views", "pinned", "expected"),
+    [
+        # three slots: the one being sent to the peer is passed over, the newest is still kept
+        ([S(0, "r", 1, 1), S(1, "r", 2, 2), S(2, "r", 3, 3)], {0}, 1),
+        ([S(0, "r", 4, 4), S(1, "r", 2, 2), S(2, "r", 3, 3)], {1}, 2),
+        ([U(0), S(1, "r", 2, 2), S(2, "r", 3, 3)], {0}, 1),
+        # two slots, the older one pinned: the newest is never the one written, the pin gives way
+        ([S(0, "r", 1, 1), S(1, "r", 2, 2)], {0}, 0),
+        ([S(0, "r", 2, 2), U(1)], {1}, 1),
+        # a pin on the newest changes nothing (it is never written anyway)
+        ([S(0, "r", 1, 1), S(1, "r", 2, 2), S(2, "r", 3, 3)], {2}, 0),
+    ],
+)
+def test_a_slot_the_peer_stream_is_sending_is_written_only_when_no_other_qualifies(
+    views: list[SlotView], pinned: set[int], expected: int
+) -> None:
+    assert slot_to_write(views, "r", pinned) == expected
+
+
 def test_slot_to_write_refuses_fewer_than_two_slots() -> None:
     with pytest.raises(ValueError, match="at least 2 slots"):
         slot_to_write([E(0)], "r")

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from tiering.errors import PublishError, VerificationError
 from tiering.publish import ReceivedStep, check_received
@@ -200,11 +201,26 @@ class PeerSlots:
         return out
 
 
+class RoundRunner(Protocol):
+    """What the stream drives: one exchange per offer (:class:`PeerSlots`)."""
+
+    rank: int
+
+    def stream_round(self, offer: Offer | None) -> RoundReport: ...
+
+
 class PeerStream:
     """Stream rounds on a thread of their own (from :meth:`start`); the training thread only calls
-    :meth:`offer`. Offers made before the start are owed as rounds like any others."""
+    :meth:`offer` and :meth:`claim_slot_to_write`. Offers made before the start are owed as rounds
+    like any others.
 
-    def __init__(self, slots: PeerSlots, on_report: Callable[[RoundReport], None] | None = None) -> None:
+    The slot being sent is pinned: tier 0 picks its next slot through :meth:`claim_slot_to_write`,
+    which passes the pin to :func:`tiering.slots.slot_to_write`, and a slot claimed for writing is
+    never taken for a send until its new state is offered. Without the pin, a send slower than a
+    step failed every time once tier 0 rotated back into the slot being read (under load the peer
+    copy then never landed with two or three slots)."""
+
+    def __init__(self, slots: RoundRunner, on_report: Callable[[RoundReport], None] | None = None) -> None:
         self.slots = slots
         self._on_report = on_report
         self._cond = threading.Condition()
@@ -213,6 +229,8 @@ class PeerStream:
         self._rounds = 0  # offers not yet run as a round (one round each, on every rank)
         self._unsent = 0  # offers since the last one sent
         self._skipped = 0  # offers never sent, not yet taken by :meth:`take_skipped`
+        self._sending: int | None = None  # the own slot a round is reading now (pinned)
+        self._claimed: int | None = None  # the own slot tier 0 is writing now (not to be sent)
         self.skipped_total = 0
         self.crash: BaseException | None = None  # a programming error on the thread: raised by offer
         self._stop = False
@@ -222,10 +240,19 @@ class PeerStream:
         self._thread.start()
         return self
 
+    def claim_slot_to_write(self, choose: Callable[[frozenset[int]], int]) -> int:
+        """The slot tier 0 writes next: ``choose(pinned)``, the slot being sent passed as pinned;
+        claimed until a seal offers it again, so no round starts reading it meanwhile."""
+        with self._cond:
+            self._claimed = choose(frozenset() if self._sending is None else frozenset({self._sending}))
+            return self._claimed
+
     def offer(self, offer: Offer) -> None:
         if self.crash is not None:
             raise self.crash
         with self._cond:
+            if offer.slot == self._claimed:
+                self._claimed = None  # its write is sealed: the state offered is the one in it
             self._newest = offer
             self._rounds += 1
             self._unsent += 1
@@ -256,8 +283,8 @@ class PeerStream:
             if self._rounds == 0:
                 return False, None
             self._rounds -= 1
-            if self._newest is None or self._newest == self._sent:
-                return True, None
+            if self._newest is None or self._newest == self._sent or self._newest.slot == self._claimed:
+                return True, None  # nothing new, or its slot is being rewritten: a newer offer follows
             skipped = self._unsent - 1
             self._skipped += skipped
             self.skipped_total += skipped
@@ -268,6 +295,7 @@ class PeerStream:
                     "rank %d: tier-0 peer copy fell behind: sending step %d, %d older slot(s) skipped (%d in all)",
                     self.slots.rank, self._newest.step, skipped, self.skipped_total,
                 )  # fmt: skip
+            self._sending = self._newest.slot
             return True, self._newest
 
     def _run(self) -> None:
@@ -280,6 +308,9 @@ class PeerStream:
             except Exception as exc:  # a programming error: raised on the training thread by offer
                 self.crash = exc
                 return
+            finally:
+                with self._cond:
+                    self._sending = None
             for line in report.errors:
                 log.warning("rank %d: %s", self.slots.rank, line)
             if self._on_report is not None:

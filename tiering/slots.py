@@ -8,7 +8,8 @@ chunks verify) or not loadable at all. This module decides, from what a scan of 
 (:class:`SlotView`):
 
 * :func:`slot_to_write`: an unsealed slot first, else the sealed slot with the oldest sequence;
-  never the newest sealed one (a kill during the write leaves the other slot intact);
+  never the newest sealed one (a kill during the write leaves the other slot intact), and not one
+  the peer stream is sending while another qualifies;
 * :func:`next_sequence`: sequence numbers only grow, across restarts;
 * :func:`loadable`: sealed slots of this run, newest step first, none older than ``floor`` (a
   slot older than tier 1 or of another run is never used) and none of a suspect step;
@@ -20,7 +21,7 @@ The slot store and the memory tier call it; it never touches a file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -63,12 +64,28 @@ def _order(view: SlotView) -> tuple[int, int]:
     return view.sequence, view.step
 
 
-def slot_to_write(views: list[SlotView], run_id: str) -> int:
+def slot_to_write(views: list[SlotView], run_id: str, pinned: Collection[int] = ()) -> int:
     """The slot the next state goes into: an empty or unsealed one (lowest index), else a slot of
     another run, else the sealed slot with the oldest sequence. With two or more slots this is
-    never the newest sealed slot of this run."""
+    never the newest sealed slot of this run.
+
+    ``pinned``: slots being read by someone else (the peer stream sending a copy). They are passed
+    over while another slot qualifies; with two slots and one pinned none does (the other is the
+    newest sealed), and the pinned slot is written anyway: the own copy, which bounds every restart's
+    loss to one step, comes before the peer's. Three slots always leave one free of both."""
     if len(views) < 2:
         raise ValueError(f"tier 0 needs at least 2 slots, got {len(views)}")
+    newest = _newest(views, run_id)
+    others = [v for v in views if v.index != newest]
+    return _choose([v for v in others if v.index not in pinned] or others, run_id)
+
+
+def _newest(views: list[SlotView], run_id: str) -> int | None:
+    mine = [v for v in _sealed(views) if v.run_id == run_id]
+    return max(mine, key=_order).index if mine else None
+
+
+def _choose(views: list[SlotView], run_id: str) -> int:
     for view in sorted(views, key=lambda v: v.index):
         if view.state is not SlotState.SEALED:
             return view.index

@@ -114,6 +114,12 @@ class MemoryTier:
         holder this rank is (both on the peer stream's own group: ``transport``)."""
         peers = PeerSlots(self.store, holders, transport, VERIFY_THREADS)
         self.peers = peers if peers.holders_of_mine or peers.owners_held else None
+        if self.peers is not None and self.store.slots < 3:
+            log.warning(
+                "rank %d: tier-0 peer copy with checkpoint.memory.slots=%d: a send slower than one snapshot "
+                "interval gives way to the own copy and the peer copy lags; fix: checkpoint.memory.slots: 3",
+                self.rank, self.store.slots,
+            )  # fmt: skip
 
     # -- the CheckpointTier protocol ---------------------------------------------------------------
     def due(self, step: int, final: bool) -> bool:
@@ -146,7 +152,7 @@ class MemoryTier:
         views = self.store.views()
         if self._sequence is None:
             self._sequence = next_sequence(views)
-        job = _SlotWrite(state.step, slot_to_write(views, self.cfg.run.id), self._sequence, t0)
+        job = _SlotWrite(state.step, self._claim_slot(views), self._sequence, t0)
         self._sequence += 1
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
         staged = stage_on_training_thread(rank_payload(state, self.rank))
@@ -156,6 +162,15 @@ class MemoryTier:
         job.blocked = time.perf_counter() - t0
         self._inflight = job
         return job.blocked
+
+    def _claim_slot(self, views: list[SlotView]) -> int:
+        """The slot to write: never the newest sealed one, nor the one the peer stream is sending
+        while another slot qualifies (``slots: 3`` always leaves one)."""
+
+        def choose(pinned: frozenset[int]) -> int:
+            return slot_to_write(views, self.cfg.run.id, pinned)
+
+        return self._stream.claim_slot_to_write(choose) if self._stream is not None else choose(frozenset())
 
     def before_optimizer_step(self) -> float:
         """The optimizer is about to change the tensors being serialised: wait until the slot is

@@ -35,6 +35,7 @@ import yaml
 from pretrain.commands.demo import FT_CONFIG
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import load_config
+from pretrain.observability.goodput import format_goodput, goodput_from_records
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
@@ -422,5 +423,6 @@ def run_drill(config: str | None, workdir: str) -> int:
     report = Drill(config, work).run()
     write_outputs(work, report)
     plot_losses(work)
+    print(format_goodput(goodput_from_records(work / "runs" / "drill"), "[drill] goodput (from the run's records)"))
     print(f"[drill] {'PASS' if report.passed else 'FAIL'} in {report.wall_seconds:.0f} s: {work / 'drill-report.md'}")
     return 0 if report.passed else 1

@@ -49,6 +49,9 @@ class FaultInjectionConfig:
     # The uploader's S3 client (pretrain upload): kill_after_parts=N (SIGKILL after N multipart
     # parts) or timeout_parts=N (the first N parts time out and are retried).
     s3_fault: str | None = None
+    # A directory each rank polls at every step start for a file ``rank-N`` naming a fault to raise
+    # inside that rank ("exception" or "gil"): ``pretrain soak`` triggers in-rank faults from outside.
+    trigger_dir: str | None = None
 
     def check(self, fail: Fail) -> None:
         try:

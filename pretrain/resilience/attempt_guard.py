@@ -24,6 +24,7 @@ from typing import Any
 
 from pretrain.config import Config, FaultToleranceConfig, MetricsConfig
 from pretrain.errors import JobStopped, PreemptedError, StragglerExcluded
+from pretrain.observability.goodput import GoodputCollector
 from pretrain.observability.metrics import MetricsServer, TrainingMetrics
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.attempts import AttemptLog, record_failure
@@ -134,6 +135,7 @@ def open_attempt(cfg: Config, rank: int, world: int, coll: Collective, phases: P
     server = None
     if rank == 0:
         metrics.from_history(records.history)
+        metrics.registry.register(GoodputCollector(rdir, cfg.run.id))  # from the records, at each scrape
         server = _metrics_server(cfg.metrics, metrics)
     return AttemptContext(attempt, rank, rdir, records, watch, metrics, previous_failure, phases, server)
 

@@ -13,6 +13,10 @@ fire on the launcher's first attempt only (a restart must be able to get past th
 * ``poison_restored_step``: a step that verifies but holds a NaN weight after every restore;
 * ``hold_at`` + ``hold_seconds``: ranks stay in a phase of an attempt so that a fault injected
   from outside the job (``pretrain drill``, tests) lands inside it;
+* ``trigger_dir``: faults raised inside a rank on request from outside the job (``pretrain soak``):
+  a file ``rank-N`` in that directory, read at the start of a step, names an exception or a thread
+  that takes the GIL and never gives it back (a deadlock). These leave no ``fault_injected`` event:
+  the next attempt must diagnose them from their real evidence;
 * ``s3_fault``: the uploader's S3 client is SIGKILLed after N multipart parts or sees N part
   timeouts (applied by ``tiering.objectstore`` through ``pretrain upload``; tiering stays standalone).
 
@@ -27,8 +31,10 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -45,6 +51,8 @@ def maybe_inject_fault(
     inj: FaultInjectionConfig, rank: int, step: int, record: RecordEvent, node: str | None = None
 ) -> None:
     """At the start of ``step``: the configured exception, SIGKILL or hang of this rank."""
+    if inj.trigger_dir is not None:
+        _maybe_triggered_fault(Path(inj.trigger_dir), rank, step)
     chosen = inj.kill_rank == rank or (inj.kill_node is not None and inj.kill_node == node)
     first = first_attempt() or inj.every_attempt
     if inj.raise_at_step == step and (inj.raise_rank < 0 or (inj.raise_rank == rank and first)):
@@ -62,6 +70,32 @@ def maybe_inject_fault(
             ctypes.CDLL(None).pause()
         while True:  # a hang: alive, silent, holding its peers in the next collective
             time.sleep(3600)
+
+
+def _maybe_triggered_fault(trigger_dir: Path, rank: int, step: int) -> None:
+    """The fault a file ``<trigger_dir>/rank-N`` asks for ("exception ID" or "gil ID"), once."""
+    path = trigger_dir / f"rank-{rank}"
+    try:
+        request = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:  # the common case: one stat per step
+        return
+    path.unlink(missing_ok=True)
+    kind, _, ident = request.partition(" ")
+    log.warning("fault injection: rank %d was asked for %r at step %d", rank, request, step)
+    if kind == "exception":
+        # The id makes each one distinct: two in a row are two faults, not a bug repeating itself.
+        raise RuntimeError(f"exception {ident} raised on request from outside at step {step}")
+    if kind == "gil":
+        threading.Thread(target=_hold_gil_forever, name="gil-holder", daemon=True).start()
+        time.sleep(1.0)  # hands the GIL over; the main thread never gets it back
+        return
+    raise ValueError(f"{path}: unknown fault request {request!r}; fix: write 'exception ID' or 'gil ID'")
+
+
+def _hold_gil_forever() -> None:
+    libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL across the foreign call (CDLL releases it)
+    while True:
+        libc.pause()
 
 
 def maybe_die_while_receiving(

@@ -1,0 +1,129 @@
+"""Faults injected into a live job from outside it: signals by PID, trigger files, a flipped byte.
+
+Owns the mapping from a fault kind (``pretrain.soak.schedule.KINDS``) to what is done to the job's
+processes and files, and nothing else: when to inject and what the records say afterwards belong to
+``pretrain.soak.runner`` and ``pretrain.soak.report``. The in-rank kinds (an exception, a thread
+holding the GIL) go through the trainer's own hook: a file ``rank-N`` in
+``fault_tolerance.inject.trigger_dir`` that the rank reads at the start of its next step
+(``pretrain.resilience.faults``). Job-level kinds (the launcher killed, a preemption) are carried out
+here up to the launcher's exit; starting the job again is the runner's (as Slurm's requeue would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tiering.fsio import atomic_write_bytes
+
+STEP_GLOB = "step-*"
+
+
+@dataclass
+class LiveRanks:
+    """The ranks of the attempt being hit, from their phase records: pid and host by rank."""
+
+    attempt: str
+    pids: dict[int, int]
+    hosts: dict[int, str]
+
+    def on_host_of(self, rank: int) -> list[int]:
+        return sorted(r for r, h in self.hosts.items() if h == self.hosts[rank])
+
+
+@dataclass
+class Injected:
+    """What was done: when, to which ranks and processes, and anything kind-specific."""
+
+    time: float
+    ranks: list[int]
+    pids: list[int]
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> list[int]:
+    """SIGKILL a launcher and every process under it at once (a node or job lost): nothing gets to
+    clean up. Returns the pids killed."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return [p.pid for p in tree]
+
+
+def newest_committed(rank_dir: Path) -> Path | None:
+    steps = sorted(p for p in (rank_dir / "steps").glob(STEP_GLOB) if (p / "COMMITTED").exists())
+    return steps[-1] if steps else None
+
+
+def flip_byte_in_newest(local_root: Path, rank: int) -> dict[str, Any]:
+    """Flip one byte in the middle of the largest data file of ``rank``'s newest committed tier-1 step."""
+    step = newest_committed(local_root / "ranks" / f"rank-{rank:05d}")
+    if step is None:
+        return {"flipped": None}
+    files = [p for p in step.rglob("*") if p.is_file() and p.name not in ("COMMITTED", "manifest.json")]
+    target = max(files, key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as f:  # in place, as storage rots: same file, same size, one byte wrong
+        f.seek(target.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return {"flipped": str(target), "step": int(step.name.split("-")[1])}
+
+
+def inject(
+    kind: str,
+    rank: int,
+    live: LiveRanks,
+    launcher: subprocess.Popen[bytes],
+    trigger_dir: Path,
+    local_root: Path,
+    index: int,
+    now: float,
+) -> Injected:
+    """Do fault ``kind`` to ``rank`` of the live attempt (or to its node or the whole job)."""
+    one = [live.pids[rank]]
+    if kind == "kill-rank":
+        _signal(one, signal.SIGKILL)
+        return Injected(now, [rank], one)
+    if kind == "kill-node":
+        ranks = live.on_host_of(rank)
+        pids = [live.pids[r] for r in ranks]
+        _signal(pids, signal.SIGKILL)
+        return Injected(now, ranks, pids, {"host": live.hosts[rank]})
+    if kind == "kill-job":
+        return Injected(now, sorted(live.pids), kill_tree(launcher), {"launcher": launcher.pid})
+    if kind == "sigstop":
+        _signal(one, signal.SIGSTOP)  # never continued: the launcher must find and kill it
+        return Injected(now, [rank], one)
+    if kind == "sigsegv":
+        _signal(one, signal.SIGSEGV)
+        return Injected(now, [rank], one)
+    if kind in ("exception", "gil"):
+        trigger_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(trigger_dir / f"rank-{rank}", f"{kind} {index}".encode())
+        return Injected(now, [rank], one)
+    if kind == "corrupt-kill":
+        flipped = flip_byte_in_newest(local_root, rank)
+        _signal(one, signal.SIGKILL)
+        return Injected(now, [rank], one, flipped)
+    if kind == "sigterm":
+        launcher.send_signal(signal.SIGTERM)  # as Kubernetes and Slurm stop a job: the launcher first
+        return Injected(now, sorted(live.pids), [launcher.pid], {"launcher": launcher.pid})
+    raise ValueError(f"unknown fault kind {kind!r}")  # schedule.parse_kinds refuses these first

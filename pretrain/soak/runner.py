@@ -1,0 +1,292 @@
+"""The soak's runs: a fault-free baseline, the faulted run under ``ft_launcher`` with the schedule
+injected from outside, and one more restart after it (the second resume).
+
+Owns processes and waiting: launching and relaunching the job (after a job-level fault, the way
+Slurm's requeue would start it again), waiting for each recovery before the next gap starts, and
+collecting what happened into :class:`FaultEvent` rows. It never judges the outcome: the report
+(``pretrain.soak.report``) reads the run's own records for that. Called by ``pretrain soak``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from pretrain.commands.ft_command import ft_launcher_command
+from pretrain.config import Config, load_config
+from pretrain.observability.runlog import read_jsonl
+from pretrain.resilience.phases import read_phases
+from pretrain.soak.inject import Injected, LiveRanks, inject, kill_tree
+from pretrain.soak.schedule import KINDS, PlannedFault
+
+REPO = Path(__file__).resolve().parents[2]
+FT_CONFIG = REPO / "configs" / "ft-cpu-sections.yaml"  # hangs found within a few step times
+RUN_ID = "soak"
+POLL_S = 0.05
+SECOND_RESUME_STEPS = 3  # steps the extra restart trains after the soak's run ended (its restore is the point)
+JOB_TIMEOUT_S = 1800.0
+END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a step to fire in
+
+
+@dataclass
+class SoakSettings:
+    config: str | None
+    workdir: Path
+    steps: int
+    nproc: int = 2
+    overrides: list[str] = field(default_factory=list)
+    data: Path | None = None  # an existing indexed dataset (prefix); None: a synthetic one in the workdir
+
+
+@dataclass
+class FaultEvent:
+    """One injected fault: the plan, the attempt it hit, what was done, when the old ranks were gone."""
+
+    plan: PlannedFault
+    attempt: str
+    injected: Injected
+    attempt_pids: list[int]  # every rank process of the hit attempt
+    gone_at: float | None = None  # every process of the hit attempt had exited (detected, torn down)
+    relaunched_at: float | None = None  # job-level kinds: the job started again
+
+
+@dataclass
+class RunTimes:
+    launched_at: float
+    ended_at: float
+    rc: int
+
+
+class Job:
+    """One job: an ``ft_launcher`` process, started again after a job-level fault."""
+
+    def __init__(self, cfg_path: Path, nproc: int, log: Path, max_restarts: int) -> None:
+        self.cfg_path = cfg_path
+        self.nproc = nproc
+        self.log = log
+        self.max_restarts = max_restarts
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tmpdirs: list[str] = []
+
+    def start(self) -> subprocess.Popen[bytes]:
+        tmp = tempfile.mkdtemp(prefix="rp-soak-", dir="/tmp")  # NVRx unix sockets: short paths
+        self.tmpdirs.append(tmp)
+        env = {**os.environ, "TMPDIR": tmp, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        cmd = ft_launcher_command(self.cfg_path, nproc=self.nproc, ft_config=FT_CONFIG, max_restarts=self.max_restarts)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self.proc
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def close(self) -> None:
+        """Nothing of the job outlives the soak, whatever happened."""
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        for tmp in self.tmpdirs:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class SoakRunner:
+    def __init__(self, settings: SoakSettings) -> None:
+        self.s = settings
+        self.work = settings.workdir
+        self.total_steps = settings.steps + SECOND_RESUME_STEPS
+
+    # -- configuration --------------------------------------------------------------------------
+    def run_root(self, name: str) -> Path:
+        return self.work / name
+
+    def run_dir(self, name: str) -> Path:
+        return self.work / name / "runs" / RUN_ID
+
+    def config(self, name: str, steps: int) -> Path:
+        root = self.run_root(name)
+        settings = {
+            "run.dir": root / "runs",
+            "run.id": RUN_ID,
+            "data.prefix": self.data_prefix,
+            "checkpoint.local.dir": root / "ckpt-local",
+            "checkpoint.reshardable.dir": root / "ckpt-reshardable",
+            "train.steps": steps,
+            "schedule.decay_steps": self.total_steps,  # one LR schedule for every run, as in one long run
+            "metrics.enabled": "false",
+            # one machine stands for every node here: the replica shares its failure domain
+            "checkpoint.replication.allow_same_domain": "true",
+            "fault_tolerance.inject.trigger_dir": root / "triggers",
+        }
+        items = [f"{k}={v}" for k, v in settings.items()] + list(self.s.overrides)
+        cfg = load_config(self.s.config, items)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root / "triggers", ignore_errors=True)  # a request no rank read must not fire in the next run
+        path = root / f"config-{steps}.yaml"
+        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return path
+
+    def loaded(self) -> Config:
+        return load_config(self.s.config, list(self.s.overrides))
+
+    @property
+    def data_prefix(self) -> Path:
+        return self.s.data if self.s.data is not None else self.work / "data" / "corpus"
+
+    def prepare_data(self) -> None:
+        """A 1 MB synthetic corpus in the workdir, unless the soak was given one (``--data``)."""
+        if self.s.data is not None:
+            return
+        cmd = [sys.executable, "-m", "pretrain", "prepare-data", "--synthetic-mb", "1"]
+        cmd += ["--output", str(self.work / "data" / "corpus")]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+    # -- runs -----------------------------------------------------------------------------------
+    def plain_run(self, name: str, steps: int, log_name: str) -> RunTimes:
+        """A job without faults (the baseline, the second resume), to its end."""
+        job = Job(self.config(name, steps), self.s.nproc, self.run_root(name) / log_name, max_restarts=2)
+        t0 = time.time()
+        try:
+            job.start()
+            rc = job.wait(JOB_TIMEOUT_S)
+        finally:
+            job.close()
+        return RunTimes(t0, time.time(), rc)
+
+    def faulted_run(self, schedule: list[PlannedFault]) -> tuple[RunTimes, list[FaultEvent], str | None]:
+        """The soak's run: every planned fault, each after the previous recovery plus its gap.
+        Returns the run's times, the faults injected and why injection stopped early (or None)."""
+        name = "faulted"
+        cfg_path = self.config(name, self.s.steps)
+        job = Job(cfg_path, self.s.nproc, self.run_root(name) / "job.log", max_restarts=len(schedule) + 2)
+        local_root = self.run_root(name) / "ckpt-local" / RUN_ID
+        events: list[FaultEvent] = []
+        stopped: str | None = None
+        t0 = time.time()
+        try:
+            launcher = job.start()
+            hit: str | None = None
+            for plan in schedule:
+                live, why = self._recovered(job, hit, events[-1] if events else None)
+                if live is None:
+                    stopped = why
+                    break
+                if not self._wait_gap(job, plan, live.attempt):
+                    stopped = f"the job ended before fault {plan.index + 1} ({plan.kind}) was due"
+                    break
+                if self._last_step() >= self.s.steps - END_MARGIN_STEPS:
+                    stopped = f"the job was about to end before fault {plan.index + 1} ({plan.kind}) was due"
+                    break
+                live = self._live(live.attempt) or live  # the pids as they are now
+                launcher = job.proc
+                assert launcher is not None
+                done = inject(
+                    plan.kind, plan.rank, live, launcher, self.run_root(name) / "triggers", local_root,
+                    plan.index, time.time(),
+                )  # fmt: skip
+                event = FaultEvent(plan, live.attempt, done, sorted(live.pids.values()))
+                events.append(event)
+                hit = live.attempt
+                if KINDS[plan.kind].target == "job":
+                    job.wait(JOB_TIMEOUT_S)
+                    event.gone_at = _gone_at(event.attempt_pids) or time.time()
+                    job.start()  # as Slurm's requeue would
+                    event.relaunched_at = time.time()
+            if events and events[-1].gone_at is None:
+                self._recovered(job, hit, events[-1])
+            rc = job.wait(JOB_TIMEOUT_S)
+        finally:
+            job.close()
+        return RunTimes(t0, time.time(), rc), events, stopped
+
+    def _last_step(self) -> int:
+        rows = read_metrics(self.run_dir("faulted"))
+        return max((r["step"] for r in rows[-5:]), default=0)
+
+    # -- waiting on the job's own records -------------------------------------------------------
+    def _live(self, attempt: str | None = None) -> LiveRanks | None:
+        """Every rank of one attempt in training (its first step done), alive; None otherwise."""
+        recs = read_phases(self.run_dir("faulted"))
+        if len(recs) < self.s.nproc:
+            return None
+        attempts = {rec.get("attempt") for rec in recs.values()}
+        if len(attempts) != 1 or any(rec.get("phase") != "training" for rec in recs.values()):
+            return None
+        found = attempts.pop()
+        if found is None or (attempt is not None and found != attempt):
+            return None
+        pids = {r: int(rec["pid"]) for r, rec in recs.items()}
+        if not all(psutil.pid_exists(p) for p in pids.values()):
+            return None
+        return LiveRanks(found, pids, {r: str(rec.get("host")) for r, rec in recs.items()})
+
+    def _recovered(self, job: Job, hit: str | None, last: FaultEvent | None) -> tuple[LiveRanks | None, str]:
+        """Wait until an attempt other than ``hit`` is training (a new attempt reached a step),
+        noting when the hit attempt's processes were all gone."""
+        deadline = time.time() + JOB_TIMEOUT_S
+        while time.time() < deadline:
+            if last is not None and last.gone_at is None:
+                last.gone_at = _gone_at(last.attempt_pids)
+            live = self._live()
+            if live is not None and live.attempt != hit:
+                if last is not None and last.gone_at is None:
+                    last.gone_at = time.time()
+                return live, ""
+            assert job.proc is not None
+            if job.proc.poll() is not None:
+                return None, f"the job ended (exit {job.proc.returncode}) before a new attempt trained"
+            time.sleep(POLL_S)
+        return None, f"no attempt trained for {JOB_TIMEOUT_S:.0f} s"
+
+    def _wait_gap(self, job: Job, plan: PlannedFault, attempt: str) -> bool:
+        """The planned gap after a recovery: seconds, or steps trained (False: the job ended first)."""
+        if plan.gap_steps is None:
+            return self._sleep_unless_ended(job, plan.gap_s)
+        # steps this attempt trained after its first one (rows of the attempt it replaced come first)
+        while sum(r["attempt"] == attempt for r in read_metrics(self.run_dir("faulted"))) <= plan.gap_steps:
+            assert job.proc is not None
+            if job.proc.poll() is not None:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    @staticmethod
+    def _sleep_unless_ended(job: Job, seconds: float) -> bool:
+        end = time.time() + seconds
+        while time.time() < end:
+            assert job.proc is not None
+            if job.proc.poll() is not None:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+
+def _gone_at(pids: list[int]) -> float | None:
+    """Now, if none of ``pids`` is left (killed or exited; a zombie counts as gone)."""
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return None
+    return time.time()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Training rows of ``metrics.jsonl`` (validation rows left out), in the order written."""
+    return [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("kind") != "validation"]
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")

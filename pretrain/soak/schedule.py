@@ -1,0 +1,149 @@
+"""The soak's fault schedule: which fault, on which rank, how long after the previous recovery.
+
+Pure logic, no I/O. Building blocks:
+
+* :data:`KINDS`: every fault kind the soak injects, each a :class:`Kind` saying what it hits (one
+  rank, a node, the whole job) and how the attempt record must name it (``expect``);
+* :func:`draw_schedule`: N faults drawn by one seeded generator: the kinds cycle through the
+  requested ones in a shuffled order (every kind appears once before any repeats), each fault's rank
+  is drawn uniformly, and its gap after the previous recovery is exponential with mean MTTI (a
+  Poisson process of interrupts, as Megatron-Core's fault injector and torchft's failure
+  controller draw them), in seconds, or in steps trained (``--mtti-steps``: where each fault lands
+  then does not depend on how fast the machine trains, which a short CI soak needs);
+* :func:`check_request`, :func:`check_fits`: bad input refused in one line each (an unknown kind,
+  an MTTI shorter than a restart, a kind the configuration cannot survive, faults paced by steps
+  that cannot all land before the run's last step).
+
+``pretrain.soak.inject`` turns a :class:`PlannedFault` into signals and trigger files;
+``pretrain.soak.runner`` waits for each recovery before the next gap starts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from pretrain.errors import PretrainError
+
+
+class SoakRequestError(PretrainError):
+    """A soak that cannot run as asked (one line with ``fix:``)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    target: str  # "rank", "node" or "job": what the fault hits
+    expect: str  # the class the attempt record must give it (see pretrain.soak.report.recorded_class)
+    help: str
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind("kill-rank", "rank", "killed", "SIGKILL of one rank"),
+        Kind("kill-node", "node", "killed", "SIGKILL of every rank of one node"),
+        Kind("kill-job", "job", "killed", "SIGKILL of the launcher and every rank, then the job started again"),
+        Kind("sigstop", "rank", "hang", "SIGSTOP of one rank, never continued"),
+        Kind("sigsegv", "rank", "signal-11", "SIGSEGV of one rank"),
+        Kind("exception", "rank", "exception", "an exception raised inside one rank"),
+        Kind("gil", "rank", "hang", "a thread in one rank holds the GIL forever"),
+        Kind("corrupt-kill", "rank", "killed", "a byte flipped in the rank's newest committed step, then SIGKILL"),
+        Kind("sigterm", "job", "preempted", "SIGTERM to the launcher (a preemption), then the job started again"),
+    )
+}
+
+
+# Steps a job may train between the moment a fault is due and the moment it acts: the runner polls
+# the records every 50 ms, and an in-rank fault fires at the start of the rank's next step.
+INJECTION_LATENCY_STEPS = 3
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    index: int
+    kind: str
+    rank: int  # the rank hit (for a node: a rank on that node; for the job: 0)
+    gap_s: float  # seconds after the previous fault's recovery
+    gap_steps: int | None = None  # paced by steps instead: steps trained after the previous recovery
+
+
+@dataclass(frozen=True)
+class Survivability:
+    """What the configuration can survive, read from it by the caller."""
+
+    replicated: bool  # tier-1 steps have a copy on another node (checkpoint.replication.factor >= 2)
+    restart_s: float  # how long a restart takes (launcher detection + start-up + restore), estimated
+
+
+def parse_kinds(spec: str | None) -> list[str]:
+    """``"kill-rank,sigstop"`` -> names; None or "all" -> every kind. Raises SoakRequestError."""
+    if spec is None or spec.strip() in ("", "all"):
+        return list(KINDS)
+    names = [k.strip() for k in spec.split(",") if k.strip()]
+    for name in names:
+        if name not in KINDS:
+            raise SoakRequestError(
+                f"soak: --kinds: unknown kind {name!r}; fix: use some of {', '.join(KINDS)} (comma separated)"
+            )
+    return list(dict.fromkeys(names))
+
+
+def check_request(
+    kinds: list[str], faults: int, mtti_s: float, can: Survivability, mtti_steps: float | None = None
+) -> None:
+    """Refuse a soak that cannot mean what it says (one line each, ``fix:`` included)."""
+    if faults < 1:
+        raise SoakRequestError(f"soak: --faults {faults}: at least one fault; fix: pass --faults 1 or more")
+    if mtti_steps is not None and mtti_steps < 1:
+        raise SoakRequestError(
+            f"soak: --mtti-steps {mtti_steps:g}: faults are paced by whole steps; fix: pass --mtti-steps 1 or more"
+        )
+    if mtti_steps is None and mtti_s < can.restart_s:
+        raise SoakRequestError(
+            f"soak: --mtti {mtti_s:g}s is shorter than a restart (~{can.restart_s:g}s): faults would arrive faster "
+            f"than recovery; fix: pass --mtti {can.restart_s:g} or more"
+        )
+    if not can.replicated:
+        lost = [k for k in kinds if KINDS[k].target in ("node", "job")]
+        if lost:
+            raise SoakRequestError(
+                f"soak: kinds {', '.join(lost)} lose a node, and this configuration cannot survive that "
+                "(checkpoint.replication.factor < 2: no copy of a node's tier-1 steps elsewhere); fix: set "
+                "checkpoint.replication.factor: 2 or leave those kinds out of --kinds"
+            )
+
+
+def check_fits(schedule: list[PlannedFault], steps: int, margin: int) -> None:
+    """Faults paced by steps must all land before the run ends: each lands at most ``gap_steps``
+    plus a few steps (its injection's latency) after the previous one, and none in the last
+    ``margin`` steps. Refuses a run too short for its schedule, naming the steps it needs."""
+    paced = [p.gap_steps for p in schedule if p.gap_steps is not None]
+    need = sum(g + INJECTION_LATENCY_STEPS for g in paced) + margin + 1
+    if paced and steps < need:
+        raise SoakRequestError(
+            f"soak: --steps {steps} is too short for {len(paced)} faults paced by steps (they may need up to "
+            f"step {need} to land); fix: pass --steps {need} or more, or a smaller --mtti-steps"
+        )
+
+
+def draw_schedule(
+    kinds: list[str], faults: int, mtti: float, ranks: int, seed: int, in_steps: bool = False
+) -> list[PlannedFault]:
+    """``faults`` faults from one generator seeded with ``seed``: the same arguments, the same
+    schedule. ``in_steps``: ``mtti`` is a mean number of steps, each gap a whole number of them (>= 1)."""
+    rng = random.Random(seed)
+    order: list[str] = []
+    while len(order) < faults:
+        batch = list(kinds)
+        rng.shuffle(batch)  # every kind once per round: a short soak still covers every kind
+        order += batch
+    out = []
+    for i, kind in enumerate(order[:faults]):
+        rank = 0 if KINDS[kind].target == "job" else rng.randrange(ranks)
+        gap = rng.expovariate(1.0 / mtti)
+        if in_steps:
+            out.append(PlannedFault(index=i, kind=kind, rank=rank, gap_s=0.0, gap_steps=max(1, round(gap))))
+        else:
+            out.append(PlannedFault(index=i, kind=kind, rank=rank, gap_s=round(gap, 3)))
+    return out
