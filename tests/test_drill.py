@@ -1,5 +1,6 @@
 """`pretrain drill`: the seed's recovery experiment end to end (kill at 135 -> 100, restart ->
-150, damaged step 200 -> 150, three failures -> stop), with its report files."""
+150, damaged step 200 -> 150, three failures -> stop, a kill with tier 0 on -> at most one step lost),
+with its report files."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
         "step-150-loads",
         "reject-200-fallback-150",
         "stops-after-3-failures",
+        "tier0-loses-at-most-one-step",
     ]
     first = report["recoveries"][0]
     assert first["restored"] == {"tier": "local", "step": 100, "seconds": first["restored"]["seconds"]}
     assert first["lost_steps"] == 34 and 0 < first["rto_seconds"] < 60
+    tier0 = [r for r in report["recoveries"] if (r["restored"] or {}).get("tier") == "memory"]
+    assert len(tier0) == 1 and tier0[0]["lost_steps"] <= 1, report["recoveries"]
     assert report["save_seconds"]["local"] and report["load_seconds"]
     md = (work / "drill-report.md").read_text()
     assert "Result: **PASS**" in md and "| matches-baseline | pass |" in md

@@ -42,9 +42,9 @@ DEMO_MB = 2.0  # of standard-library sources: a few seconds to tokenize, enough 
 VOCAB = 512
 
 
-def memory_dir(work: Path) -> Path:
-    """The demo's tier-0 root: on the machine's tmpfs, one per work directory (removed at the end)."""
-    return Path("/dev/shm") / f"resilient-pretrain-demo-{hashlib.sha256(str(work).encode()).hexdigest()[:10]}"
+def memory_dir(work: Path, command: str = "demo") -> Path:
+    """A command's tier-0 root: on the machine's tmpfs, one per work directory (removed at the end)."""
+    return Path("/dev/shm") / f"resilient-pretrain-{command}-{hashlib.sha256(str(work).encode()).hexdigest()[:10]}"
 
 
 def _settings(work: Path, data_prefix: Path, tokenizer: Path, overrides: list[str]) -> list[str]:

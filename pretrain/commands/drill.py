@@ -11,7 +11,9 @@ same job run without a fault; then damaged checkpoints and repeated failures are
 3. a restart after step 150 loads step 150;
 4. a step-200 copy without COMMITTED and one without a shard (own copy, its replica and the
    reshardable tier) -> all rejected, recovery from 150;
-5. three consecutive failures -> the job stops and says why.
+5. three consecutive failures -> the job stops and says why;
+6. tier 0 (every step's state in host memory) on a fresh run, rank 1 SIGKILLed at step 43, before
+   tier 1 holds anything -> restored from tier 0 with at most one step lost, matching the baseline.
 
 Writes ``drill-report.json``, ``drill-report.md`` and ``drill-loss.png`` under the work directory.
 """
@@ -32,13 +34,14 @@ from typing import Any
 import psutil
 import yaml
 
-from pretrain.commands.demo import FT_CONFIG
+from pretrain.commands.demo import FT_CONFIG, memory_dir
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import load_config
 from pretrain.observability.goodput import format_goodput, goodput_from_records
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
+TIER0_KILL_AT, TIER0_STEPS = 43, 60  # before tier 1's first save (step 50): only tier 0 holds a step
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Drill:
         self._bad_step_200()
         attempts = self._three_failures()
         self._collect_numbers(attempts)
+        self._tier0_kill(base)
         rep.wall_seconds = time.perf_counter() - t0
         return rep
 
@@ -288,6 +292,38 @@ class Drill:
         )
         return attempts
 
+    def _tier0_kill(self, base: dict[int, dict[str, Any]]) -> None:
+        """6. tier 0 every step, a kill before tier 1's first save -> at most one step lost."""
+        memory = memory_dir(self.work, "drill")
+        cfg6 = self._config(
+            "drill-tier0",
+            **{
+                "train.steps": TIER0_STEPS,
+                "checkpoint.memory.enabled": "true",
+                "checkpoint.memory.dir": memory,
+                "fault_tolerance.inject.kill_rank": 1,
+                "fault_tolerance.inject.kill_at_step": TIER0_KILL_AT,
+            },
+        )
+        try:
+            rc = self._ft_launch(cfg6, "6-tier0-kill", max_restarts=2)
+        finally:
+            shutil.rmtree(memory, ignore_errors=True)  # tmpfs is memory: give it back
+        got = [(r["step"], r["tier"]) for r in self._restores("drill-tier0")]
+        recovered = [a for a in self._attempts("drill-tier0") if a.get("restored") is not None]
+        lost = recovered[0].get("lost_steps") if recovered else None
+        rows = {m["step"]: m for m in self._jsonl("drill-tier0", "metrics.jsonl")}
+        after = range(got[0][0] + 1, TIER0_STEPS + 1) if got else range(0)
+        diffs = [s for s in after if s not in rows or s not in base or _differs(rows[s], base[s])]
+        compared = "equal the baseline bit for bit" if not diffs else f"differ at {diffs[:5]}"
+        self.report.check(
+            "tier0-loses-at-most-one-step",
+            rc == 0 and len(got) == 1 and got[0][1] == "memory" and lost is not None and lost <= 1 and not diffs,
+            f"rank 1 killed at step {TIER0_KILL_AT}; restores {got}; lost steps {lost}; "
+            f"steps {after.start}-{after.stop - 1} {compared}; exit {rc}",
+        )
+        self.report.recoveries += [_recovery_row(a) for a in recovered]
+
     def _manifest(self, run_id: str, rank: int, step: int) -> dict[str, Any]:
         path = (
             self.work
@@ -333,16 +369,13 @@ class Drill:
                 rep.load_seconds.append({"step": e["step"], "tier": e["tier"], "seconds": round(e["seconds"], 4)})
         for a in attempts:
             if a.get("restored") is not None or a.get("rto_seconds") is not None:
-                rep.recoveries.append(
-                    {
-                        "attempt": a["attempt"],
-                        "restored": a.get("restored"),
-                        "lost_steps": a.get("lost_steps"),
-                        "rto_seconds": a.get("rto_seconds"),
-                        "time_to_first_step_seconds": a.get("time_to_first_step_seconds"),
-                        "status": a.get("status"),
-                    }
-                )
+                rep.recoveries.append(_recovery_row(a))
+
+
+def _recovery_row(attempt: dict[str, Any]) -> dict[str, Any]:
+    """An attempt record's recovery figures, as the report lists them."""
+    keys = ("restored", "lost_steps", "rto_seconds", "time_to_first_step_seconds", "status")
+    return {"attempt": attempt["attempt"], **{k: attempt.get(k) for k in keys}}
 
 
 def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
