@@ -5,10 +5,7 @@ interval; in a run nobody slows, no rank is named and no node excluded. Bad
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,7 @@ import pytest
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from pretrain.resilience.phases import ranks_in_phase
-from tests.cpu_throttle import throttled
+from tests.cpu_throttle import CpuCap
 from tests.helpers import TINY, events, metrics_by_step, overrides_for, torchrun
 
 INTERVAL = 5
@@ -58,35 +55,17 @@ def test_a_bad_straggler_setting_is_a_one_line_error_with_the_fix(key: str, valu
 CAP_CPU = 0.1
 
 
-class Throttle(threading.Thread):
-    """Once rank 1 has trained ``THROTTLE_AFTER`` steps, cap its process at ``CAP_CPU`` from outside
-    the job until ``stop``."""
+def _cap(run_dir: Path, record: Path) -> CpuCap:
+    """Rank 1 capped at ``CAP_CPU`` from outside the job once it has trained ``THROTTLE_AFTER`` steps."""
 
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(daemon=True)
-        self.run_dir, self.stop = run_dir, threading.Event()
-        self.done: dict[str, Any] = {}
-        self.error: BaseException | None = None
+    def rank_1() -> int | None:
+        pids = ranks_in_phase(run_dir, None, "training", [1])
+        return pids[1] if pids else None
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
+    def step() -> int:
+        return max(metrics_by_step(run_dir), default=0)
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            pids = ranks_in_phase(self.run_dir, None, "training", [1])
-            if pids and max(metrics_by_step(self.run_dir), default=0) >= THROTTLE_AFTER:
-                break
-            time.sleep(0.2)
-        else:
-            return
-        with throttled(pids[1], CAP_CPU) as cgroup:
-            self.done = {"step": max(metrics_by_step(self.run_dir)), "time": time.time()}
-            self.done["cgroup"] = str(cgroup)
-            (self.run_dir.parents[1] / "throttle.json").write_text(json.dumps(self.done))
-            self.stop.wait(600)
+    return CpuCap(rank_1, step, THROTTLE_AFTER, record, cap=CAP_CPU)
 
 
 def _reports(run_dir: Path) -> list[dict[str, Any]]:
@@ -96,7 +75,7 @@ def _reports(run_dir: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_a_rank_slowed_from_outside_is_named_with_its_node(tmp_path: Path, corpus: Path) -> None:
     run_dir = tmp_path / "runs" / "t"
-    slow = Throttle(run_dir)
+    slow = _cap(run_dir, tmp_path / "throttle.json")
     slow.start()
     try:
         torchrun(tmp_path, 2, overrides_for(tmp_path, corpus, **COMMON), timeout=600)
