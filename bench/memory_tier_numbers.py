@@ -80,11 +80,12 @@ def _restore(store: SlotStore) -> float:
     return elapsed
 
 
-def _snapshot(store: SlotStore, state: dict[str, Any], step: int) -> float:
+def _snapshot(store: SlotStore, state: dict[str, Any], step: int, index: int = 1, fresh_inode: bool = False) -> float:
+    """One tier-0 snapshot of ``state`` into slot ``index``: write in place (or on a new inode), hash, seal."""
     t0 = time.perf_counter()
-    store.write_payload(1, lambda fh: save_state(state, fh), fresh_inode=False)
+    store.write_payload(index, lambda fh: save_state(state, fh), fresh_inode=fresh_inode)
     manifest = Manifest("bench", step, 1, {"tp": 1, "pp": 1, "dp": 1}, [])
-    store.seal(1, manifest, store.digest(1, HASHING), step + 10)
+    store.seal(index, manifest, store.digest(index, HASHING), step + 10)
     return time.perf_counter() - t0
 
 
@@ -126,22 +127,16 @@ def peak_memory_probe(mb: int, slots: int, root: Path) -> dict[str, Any]:
         while not done.wait(0.002):
             peak[0] = max(peak[0], _rss_anon())
 
-    def snapshot(step: int, src: dict[str, Any], fresh_inode: bool) -> None:
-        index = step % slots
-        store.write_payload(index, lambda fh: save_state(src, fh), fresh_inode=fresh_inode)
-        manifest = Manifest("bench", step, 1, {"tp": 1, "pp": 1, "dp": 1}, [])
-        store.seal(index, manifest, store.digest(index, HASHING), step + 1)
-
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     store = SlotStore(root, "bench", 0, slots)
     for step in range(slots + 1):  # every slot written, then the oldest rewritten
-        snapshot(step, state, fresh_inode=False)
+        _snapshot(store, state, step, step % slots)
     steady = {"anon_growth_bytes": max(peak[0], _rss_anon()) - base, "tmpfs_bytes": _tmpfs_used(root) - used0}
     # A restarted rank: the state restored from the newest slot (mapped) replaces its own, the
     # optimizer's in-place update turns the mapped pages it touches into private copies, and the next
     # snapshot into that slot goes to a new inode (the mapped one stays until the process drops it).
-    newest = slots % slots
+    newest = 0  # the last of those snapshots, step ``slots``, went into slot ``slots % slots``
     store.verify(newest, VERIFY_THREADS)
     del state
     restored = load_verified_state(store.state_path(newest))
@@ -149,7 +144,7 @@ def peak_memory_probe(mb: int, slots: int, root: Path) -> dict[str, Any]:
         for tensor in part.values():
             tensor.add_(1.0)
     for step in range(slots + 1, 2 * slots + 1):
-        snapshot(step, restored, fresh_inode=step % slots == newest)
+        _snapshot(store, restored, step, step % slots, fresh_inode=step % slots == newest)
     after = {"anon_growth_bytes": max(peak[0], _rss_anon()) - base, "tmpfs_bytes": _tmpfs_used(root) - used0}
     done.set()
     sampler.join()

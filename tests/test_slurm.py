@@ -224,14 +224,20 @@ def test_a_failed_launcher_requeues_the_job_without_its_node(
         subprocess.run(["scancel", job.id], env=job.env, timeout=30)
 
 
-@pytest.mark.slow
-def test_a_node_the_run_excluded_is_refused_and_the_job_requeued_without_it(
-    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
-) -> None:
+def _job_of_a_run_that_excluded_localhost(tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]) -> SlurmJob:
+    """A job whose run already wrote localhost (the cluster's node) into its excluded-nodes file."""
     job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": 50})
     line = {"node": "localhost", "reason": "slow in 3 straggler reports in a row up to step 30"}
     job.run_dir.mkdir(parents=True)
     (job.run_dir / "excluded-nodes.jsonl").write_text(json.dumps(line) + "\n")
+    return job
+
+
+@pytest.mark.slow
+def test_a_node_the_run_excluded_is_refused_and_the_job_requeued_without_it(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    job = _job_of_a_run_that_excluded_localhost(tmp_path, corpus, slurm_cluster)
     job.submit()
     try:
         deadline = time.monotonic() + 300
@@ -252,10 +258,7 @@ def test_a_node_the_run_excluded_is_refused_and_the_job_requeued_without_it(
 def test_a_requeue_that_would_exclude_every_node_is_refused_in_one_line_and_the_job_ends(
     tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
 ) -> None:
-    job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": 50})
-    line = {"node": "localhost", "reason": "slow in 3 straggler reports in a row up to step 30"}
-    job.run_dir.mkdir(parents=True)
-    (job.run_dir / "excluded-nodes.jsonl").write_text(json.dumps(line) + "\n")
+    job = _job_of_a_run_that_excluded_localhost(tmp_path, corpus, slurm_cluster)
     job.submit("--exclude=spare")  # excluding localhost too leaves the partition no node
     state = job.wait_until(ENDED, 300)
     show = _show_job(job.id, job.env)
