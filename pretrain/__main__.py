@@ -1,6 +1,13 @@
 import sys
 
-from pretrain.cli import main
+from pretrain.resilience.standby.client import forward
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under a launcher with a standby server beside it, the rank is forked there (already imported).
+    code = forward("pretrain")
+    if code is None:
+        # Deferred: torch and Megatron take seconds to import, and a forwarded rank never needs them here.
+        from pretrain.cli import main
+
+        code = main()
+    sys.exit(code)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pretrain.resilience.standby.beside import with_standby
 from tiering.layout import RunLayout
 from tiering.publish import ReceivedStep
 
@@ -56,9 +57,11 @@ def kill_rank_at(rank: int, step: int) -> dict[str, int]:
     return {"fault_tolerance.inject.kill_rank": rank, "fault_tolerance.inject.kill_at_step": step}
 
 
-def torchrun_prefix(nproc: int) -> list[str]:
-    """``torchrun --standalone`` for ``nproc`` local ranks, with this interpreter."""
-    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+def torchrun_prefix(nproc: int, standby: bool = True) -> list[str]:
+    """``torchrun --standalone`` for ``nproc`` local ranks, with this interpreter; ``standby``: with a
+    standby server beside it (for ``-m pretrain`` ranks; a script rank would not use it)."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return with_standby(cmd) if standby else cmd
 
 
 def torchrun(
@@ -211,7 +214,7 @@ def two_node_launch(
 
 def probe_restore(tmp: Path, nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess[str]:
     """Restore the newest step into the topology of ``overrides`` and re-save it (tests/probe_restore.py)."""
-    cmd = [*torchrun_prefix(nproc), str(REPO / "tests" / "probe_restore.py"), str(TINY), *overrides]
+    cmd = [*torchrun_prefix(nproc, standby=False), str(REPO / "tests" / "probe_restore.py"), str(TINY), *overrides]
     return run(cmd, tmp, timeout=timeout, check=True)
 
 

@@ -6,6 +6,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from pretrain.resilience.standby.beside import with_standby
+
 
 def ft_launcher_command(
     config: Path | str,
@@ -16,8 +18,10 @@ def ft_launcher_command(
     rdzv_port: int | None = None,
     nnodes: int = 1,
     rdzv_host: str = "127.0.0.1",
+    standby: bool = True,
 ) -> list[str]:
-    """``ft_launcher`` for one node: standalone, or (``rdzv_port``) c10d rendezvous across ``nnodes`` agents."""
+    """``ft_launcher`` for one node: standalone, or (``rdzv_port``) c10d rendezvous across ``nnodes``
+    agents; ``standby``: ranks start as forks of a pre-imported process beside the launcher."""
     launcher = shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     cmd = [
         launcher,
@@ -36,4 +40,4 @@ def ft_launcher_command(
     cmd += ["-m", "pretrain", "train", "--config", str(config)]
     for item in overrides:
         cmd += ["--set", item]
-    return cmd
+    return with_standby(cmd) if standby else cmd

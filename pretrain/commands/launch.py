@@ -54,6 +54,7 @@ from pretrain.errors import ConfigError, LaunchError, NodeExcluded
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.excluded_nodes import read_excluded, refusal
 from pretrain.resilience.job_policy import refuse_if_stopped
+from pretrain.resilience.standby.beside import start_server
 
 
 @dataclass
@@ -381,5 +382,7 @@ def launch(
         )
         print(shlex.join(argv))
         return 0
+    if cfg.fault_tolerance.standby:  # it ends with the launcher this process becomes
+        start_server(child_env)
     os.execvpe(argv[0], argv, child_env)
     return 0  # not reached

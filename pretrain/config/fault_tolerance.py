@@ -140,6 +140,10 @@ class FaultToleranceConfig:
     # the restored step as poisoned: quarantined everywhere, the next restore uses an older one.
     check_finite: bool = True
     poison_window: int = 20  # steps after a restore in which a non-finite loss poisons the step
+    # ``pretrain launch`` starts a standby process beside ft_launcher that has imported torch and
+    # Megatron once; every rank start (restarts included) is a fork of it, seconds sooner. It serves
+    # only while CUDA is not initialised in it; otherwise ranks import everything themselves.
+    standby: bool = True
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

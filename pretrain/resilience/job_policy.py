@@ -29,6 +29,7 @@ from typing import Any
 from pretrain.errors import JobStopped
 from pretrain.resilience.attempts import attempts_dir, write_json_atomic
 from pretrain.resilience.failures import Classification, FailureInfo
+from pretrain.resilience.standby.wire import AGENT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ def stop_local_launcher() -> None:
     """SIGTERM the elastic agent that started this worker (ft_launcher/torchrun), if there is one."""
     if "TORCHELASTIC_RUN_ID" not in os.environ and "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return
-    parent = os.getppid()
+    # A rank forked by a standby server has the server as its parent; its client names the launcher.
+    parent = int(os.environ.get(AGENT_ENV, os.getppid()))
     if parent > 1:
         log.error("stopping the launcher (pid %d) so that it does not restart a failure that would repeat", parent)
         with contextlib.suppress(OSError):

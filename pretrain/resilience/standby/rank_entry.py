@@ -1,0 +1,58 @@
+"""What a forked rank runs: it takes on the client's streams, environment, directory and command
+line, dies with its client, and runs the client's module as ``python -m MODULE`` would (for a rank,
+``pretrain``: already imported by the server)."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import select
+import signal
+import sys
+import threading
+
+import torch
+
+from pretrain.resilience.standby.wire import RankRequest
+
+# The server's own signal dispositions are not the rank's: a rank starts with Python's defaults.
+_DEFAULT_DISPOSITIONS = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGHUP: signal.SIG_DFL,
+    signal.SIGUSR1: signal.SIG_DFL,
+    signal.SIGUSR2: signal.SIG_DFL,
+    signal.SIGCHLD: signal.SIG_DFL,
+}
+
+
+def _die_with_client(pidfd: int) -> None:
+    """The launcher sees the client, not this process: when the client ends (killed with its
+    process group, or SIGKILLed alone), the rank ends at once, as it would have with it, and so
+    does everything it started (its process group, as the launcher's ``killpg`` would have)."""
+    select.select([pidfd], [], [])
+    os.killpg(0, signal.SIGKILL)
+
+
+def take_over(request: RankRequest) -> None:
+    """Become the client's rank: its session, streams, environment, directory and argv."""
+    os.setsid()  # out of the server's process group: a signal to the server is not one to the rank
+    for target, fd in enumerate(request.stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request.env)
+    os.chdir(request.cwd)
+    sys.argv = list(request.argv)
+    for sig, handler in _DEFAULT_DISPOSITIONS.items():
+        signal.signal(sig, handler)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # read by the OpenMP runtime when the server loaded it
+        torch.set_num_threads(int(threads))
+    threading.Thread(target=_die_with_client, args=(request.client_pidfd,), name="standby-client", daemon=True).start()
+
+
+def run(request: RankRequest) -> None:
+    """Run the client's module as ``python -m`` would; its ``SystemExit`` ends this process."""
+    take_over(request)
+    runpy.run_module(request.module, run_name="__main__", alter_sys=True)

@@ -1,0 +1,172 @@
+"""The standby server: imports everything a rank imports, then forks one rank per request on the
+listening socket it was given (clients that came during the imports wait in its backlog).
+
+It stays single-threaded, so a fork copies no lock held by another thread; it refuses to serve
+(and exits, so clients run their ranks themselves) if the imports started a thread or initialised
+CUDA, which a forked child cannot use. It reaps its children through pidfds and reports each wait
+status to the client that asked for it. It ends with its parent (``PR_SET_PDEATHSIG``, set by
+:mod:`.beside`); ranks already forked live on until their clients end.
+
+Run by :mod:`.beside`: ``python -m pretrain.resilience.standby.server FD``, FD a listening socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+
+from pretrain.resilience.standby import wire
+from pretrain.resilience.standby.wire import RankRequest
+
+# The rank program's own imports (pretrain.cli pulls in torch, Megatron and NVRx), and the modules
+# a rank imports later, during its first save and restore (measured: sys.modules at the end of a
+# tiny training run against sys.modules after importing pretrain.train).
+PRELOAD = (
+    "pretrain.cli",
+    "pretrain.train",
+    "pretrain.resilience.standby.rank_entry",
+    "nvidia_resiliency_ext.fault_tolerance",
+    "nvidia_resiliency_ext.straggler",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
+    "multiprocessing.popen_fork",
+    "multiprocessing.popen_spawn_posix",
+    "torch.utils.serialization",
+)
+
+GROUP_GRACE_S = 5.0  # torch elastic's default before it SIGKILLs a worker group that ignored SIGTERM
+
+
+def preload() -> int:
+    """Import what ranks import; the number of modules loaded. A module that is missing here (no
+    NVRx straggler package, say) is skipped: the rank would fail on it the same way either way."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            print(f"standby: not preloading {name}: {exc}", file=sys.stderr)
+    return len(sys.modules)
+
+
+def fork_hazard() -> str | None:
+    """Why forking this process would hand ranks a broken copy, if it would."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised by an import (a forked child cannot use it)"
+    threads = threading.active_count()
+    if threads > 1:
+        return f"the imports started {threads - 1} thread(s) (a fork would copy their locks held)"
+    return None
+
+
+class Server:
+    """The accept-and-fork loop. ``serve`` returns only in a forked child, with its request."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ)
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, its client's connection)
+        self.groups: dict[int, float] = {}  # process group of an ended rank -> when to SIGKILL what is left
+
+    def serve(self) -> RankRequest:
+        while True:
+            self._kill_overdue_groups()
+            timeout = min(self.groups.values(), default=None)
+            for key, _ in self.selector.select(None if timeout is None else max(0.0, timeout - time.monotonic())):
+                if key.fileobj is self.listener:
+                    request = self._accept()
+                    if request is not None:
+                        return request
+                else:
+                    self._reap(key.fd)
+
+    def _accept(self) -> RankRequest | None:
+        conn, _ = self.listener.accept()
+        try:
+            wire.require_same_user(conn)
+            message, fds = wire.receive(conn, wire.STDIO_AND_PIDFD)
+        except (OSError, ValueError) as exc:  # a stranger, or a client gone before it spoke
+            print(f"standby: dropped a connection: {exc}", file=sys.stderr)
+            conn.close()
+            return None
+        if message is None or len(fds) != wire.STDIO_AND_PIDFD:
+            conn.close()
+            return None
+        request = RankRequest(message["module"], message["argv"], message["env"], message["cwd"], fds[:3], fds[3])
+        pid = os.fork()
+        if pid == 0:
+            self._become_child(conn)
+            return request
+        for fd in fds:
+            os.close(fd)
+        wire.send(conn, {"pid": pid})
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = (pid, conn)
+        self.selector.register(pidfd, selectors.EVENT_READ)
+        return None
+
+    def _reap(self, pidfd: int) -> None:
+        pid, conn = self.children.pop(pidfd)
+        _, status = os.waitpid(pid, 0)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        with contextlib.suppress(OSError):  # the client is gone (killed with its launcher): nobody to tell
+            wire.send(conn, {"status": status})
+        conn.close()
+        # What the rank started (Megatron's writer processes, the multiprocessing resource tracker)
+        # is in the rank's process group, not in the launcher's worker group: end it as the
+        # launcher would have, SIGTERM now and SIGKILL after a grace period.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+            self.groups[pid] = time.monotonic() + GROUP_GRACE_S
+
+    def _kill_overdue_groups(self) -> None:
+        now = time.monotonic()
+        for pgid in [g for g, deadline in self.groups.items() if deadline <= now]:
+            del self.groups[pgid]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+    def _become_child(self, conn: socket.socket) -> None:
+        """Drop what belongs to the server and to the other ranks: a rank holding another rank's
+        connection would hide that connection's end from its client."""
+        for pidfd, (_pid, other) in self.children.items():
+            other.close()
+            os.close(pidfd)
+        self.selector.close()
+        self.listener.close()
+        conn.close()
+
+
+def main(argv: list[str]) -> None:
+    started = time.monotonic()
+    listener = socket.socket(fileno=int(argv[0]))  # bound and listening already (see .beside)
+    modules = preload()
+    hazard = fork_hazard()
+    if hazard is not None:
+        print(f"standby: not serving: {hazard}; ranks import everything themselves", file=sys.stderr)
+        listener.close()
+        return
+    print(
+        f"standby: ready in {time.monotonic() - started:.1f} s ({modules} modules); ranks start as forks",
+        file=sys.stderr,
+    )
+    request = Server(listener).serve()
+    # Deferred on purpose: it imports torch, which this module leaves to preload() (already
+    # loaded by now); a forked rank is the only one that runs it.
+    from pretrain.resilience.standby.rank_entry import run
+
+    run(request)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,65 @@
+"""A rank program for the standby tests: ``python -m tests.standby_rank ACTION [ARG]``, forwarded to
+a standby server when the environment names one (as ``python -m pretrain`` is).
+
+Actions: ``report CODE`` (print what the rank sees, exit CODE), ``signal N`` (die of signal N),
+``wait-term`` (print ready, exit 0 on SIGTERM), ``child`` (start a sleeping child, print both pids,
+sleep), ``orphan`` (start a sleeping child, print its pid, exit at once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+
+from pretrain.resilience.standby.client import forward
+from pretrain.resilience.standby.wire import AGENT_ENV
+
+
+def _report(code: str) -> int:
+    seen = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "argv": sys.argv[1:],
+        "cwd": os.getcwd(),
+        "marker": os.environ.get("STANDBY_TEST_MARKER"),
+        "agent": os.environ.get(AGENT_ENV),
+    }
+    print(json.dumps(seen), flush=True)
+    return int(code)
+
+
+def _on_term(_sig: int, _frame: FrameType | None) -> None:
+    print("terminated cleanly", flush=True)
+    sys.exit(0)
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def act(action: str, arg: str) -> int:
+    if action == "report":
+        return _report(arg)
+    if action == "signal":
+        os.kill(os.getpid(), int(arg))
+    if action == "wait-term":
+        signal.signal(signal.SIGTERM, _on_term)
+        print(f"ready {os.getpid()}", flush=True)
+        time.sleep(600)
+    if action in ("child", "orphan"):
+        child = _sleeper()
+        print(json.dumps({"rank": os.getpid(), "child": child.pid}), flush=True)
+        if action == "orphan":
+            os._exit(0)
+        time.sleep(600)
+    return 99
+
+
+if __name__ == "__main__":
+    code = forward("tests.standby_rank")
+    sys.exit(code if code is not None else act(*sys.argv[1:], *([""] * (3 - len(sys.argv)))))

@@ -1,0 +1,126 @@
+"""Standby rank processes: a rank forked by the standby server looks, to its launcher, exactly like
+a rank that started itself (command line, environment, directory, streams, exit code, death by
+signal, SIGTERM handling), dies with its client, and leaves nothing behind. Real processes: a real
+server, real clients (``python -m tests.standby_rank``), real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pretrain.resilience.standby.beside import start_server
+from pretrain.resilience.standby.server import fork_hazard
+from pretrain.resilience.standby.wire import ENV
+from tests.helpers import PYTHON, REPO
+
+RANK = [PYTHON, "-m", "tests.standby_rank"]
+
+
+@pytest.fixture(scope="module")
+def server_env() -> Iterator[tuple[dict[str, str], psutil.Process]]:
+    """A standby server (stopped at the end) and the environment that names it: one for the
+    module, as one serves every rank start of a launcher."""
+    env = {**os.environ, "STANDBY_TEST_MARKER": "m-1", "PYTHONPATH": str(REPO)}
+    proc = start_server(env)
+    try:
+        yield env, psutil.Process(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_forked_rank_gets_the_clients_command_environment_directory_streams_and_exit_code(
+    server_env: tuple[dict[str, str], psutil.Process], tmp_path: Path
+) -> None:
+    env, server = server_env
+    done = subprocess.run([*RANK, "report", "7"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["ppid"] == server.pid, "the rank must be the server's fork, not the client itself"
+    assert seen["argv"] == ["report", "7"] and seen["cwd"] == str(tmp_path) and seen["marker"] == "m-1"
+    assert seen["agent"] == str(os.getpid()), "the rank must know the launcher (here: pytest) that started its client"
+    assert "does not answer" not in done.stderr
+
+
+def test_a_rank_that_dies_of_a_signal_ends_its_client_by_the_same_signal(
+    server_env: tuple[dict[str, str], psutil.Process],
+) -> None:
+    env, _ = server_env
+    done = subprocess.run([*RANK, "signal", str(int(signal.SIGSEGV))], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGSEGV
+
+
+def test_sigterm_to_the_client_is_handled_by_the_rank(server_env: tuple[dict[str, str], psutil.Process]) -> None:
+    env, _ = server_env
+    client = subprocess.Popen([*RANK, "wait-term"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None and client.stdout.readline().startswith("ready")
+        client.send_signal(signal.SIGTERM)
+        out, _ = client.communicate(timeout=30)
+        assert client.returncode == 0 and "terminated cleanly" in out
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_a_killed_client_takes_its_rank_and_everything_the_rank_started(
+    server_env: tuple[dict[str, str], psutil.Process],
+) -> None:
+    env, _ = server_env
+    client = subprocess.Popen([*RANK, "child"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None
+        pids = json.loads(client.stdout.readline())
+        client.kill()  # as the launcher's killpg(SIGKILL) would, or a fault injector
+        client.wait()
+        assert _gone(pids["rank"], 5), "the rank outlived its client"
+        assert _gone(pids["child"], 5), "the rank's child outlived the rank's client"
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_what_an_ended_rank_left_running_is_ended_with_it(server_env: tuple[dict[str, str], psutil.Process]) -> None:
+    env, _ = server_env
+    done = subprocess.run([*RANK, "orphan"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert _gone(json.loads(done.stdout)["child"], 5), "a rank's leftover child must go as under the launcher"
+
+
+def test_without_a_server_the_client_runs_the_rank_itself() -> None:
+    env = {**os.environ, ENV: "pretrain-standby-nobody-here", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([*RANK, "report", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3
+    seen = json.loads(done.stdout)
+    assert seen["ppid"] == os.getpid() and seen["agent"] is None, "the client itself must run the rank"
+    assert "does not answer" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_server_whose_imports_started_a_thread_refuses_to_fork() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        hazard = fork_hazard()
+    finally:
+        stop.set()
+        thread.join()
+    assert hazard is not None and "thread" in hazard
