@@ -29,6 +29,7 @@ from pretrain.soak.runner import (
     read_metrics,
 )
 from pretrain.soak.schedule import (
+    KINDS,
     PlannedFault,
     SoakRequestError,
     Survivability,
@@ -39,10 +40,11 @@ from pretrain.soak.schedule import (
 )
 from pretrain.soak.timeline import plot_timeline
 
-# A restart of the tiny CPU job (detection, new processes, imports, rendezvous, restore, first step)
-# takes 4-7 s on a 2-core machine; an MTTI below the fastest of those means faults would arrive
-# faster than the job can recover from them.
-RESTART_S = 4.0
+# A restart of the tiny CPU job on a 2-core machine, by what the fault hits: after a rank or node
+# fault the launcher restarts the group as forks of its standby process (fault -> next step
+# 0.5-1 s); a job-level fault starts the launcher and its standby process again (their imports:
+# 3-4 s). An MTTI below that means faults would arrive faster than the job can recover.
+RESTART_S = {"rank": 1.0, "node": 1.0, "job": 4.0}
 
 
 def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, Any]:
@@ -127,7 +129,7 @@ def run_soak(
     kinds = parse_kinds(kinds_spec)
     runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps, data=check_data(data)))
     cfg = runner.loaded()
-    can = Survivability(cfg.checkpoint.replication.factor >= 2, RESTART_S)
+    can = Survivability(cfg.checkpoint.replication.factor >= 2, max(RESTART_S[KINDS[k].target] for k in kinds))
     check_request(kinds, faults, mtti, can, mtti_steps)
     in_steps = mtti_steps is not None
     schedule = draw_schedule(kinds, faults, mtti_steps or mtti, ranks=runner.s.nproc, seed=seed, in_steps=in_steps)
