@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from pretrain.resilience.standby.beside import start_server
-from pretrain.resilience.standby.server import fork_hazard
+from pretrain.resilience.standby.server import cuda_driver_loaded, fork_hazard
 from pretrain.resilience.standby.wire import ENV
 from tests.helpers import PYTHON, REPO
 
@@ -124,3 +124,14 @@ def test_a_server_whose_imports_started_a_thread_refuses_to_fork() -> None:
         stop.set()
         thread.join()
     assert hazard is not None and "thread" in hazard
+
+
+def test_a_server_that_loaded_the_cuda_driver_is_seen_as_unsafe_to_fork() -> None:
+    """No GPU here: the check reads /proc/self/maps lines as a GPU node's server would have them."""
+    gpu_maps = (
+        "7f1c2a000000-7f1c2a100000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
+        "7f1c2b000000-7f1c2b100000 r-xp 00000000 08:01 1235 /opt/venv/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so\n"
+    )
+    cpu_maps = "7f1c2b000000-7f1c2b100000 r-xp 00000000 08:01 1235 /opt/venv/lib/torch/lib/libtorch_cuda.so\n"
+    assert cuda_driver_loaded(gpu_maps) and not cuda_driver_loaded(cpu_maps)
+    assert fork_hazard() is None or "thread" in fork_hazard(), "this CPU machine's pytest has no CUDA driver loaded"

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.wire import RankRequest
@@ -56,11 +57,22 @@ def preload() -> int:
     return len(sys.modules)
 
 
+def cuda_driver_loaded(maps: str) -> bool:
+    """Whether ``maps`` (``/proc/self/maps``) shows the CUDA driver library loaded: once it is, the
+    driver may be initialised (``cuInit``), and a forked child's CUDA calls fail, even though
+    ``torch.cuda.is_initialized()`` still says False (``torch.cuda.is_available()`` does that)."""
+    return any(
+        line.rstrip().endswith(("/libcuda.so", "/libcuda.so.1")) or "/libcuda.so." in line for line in maps.splitlines()
+    )
+
+
 def fork_hazard() -> str | None:
     """Why forking this process would hand ranks a broken copy, if it would."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised by an import (a forked child cannot use it)"
+    if cuda_driver_loaded(Path("/proc/self/maps").read_text()):
+        return "the CUDA driver was loaded by an import (a forked child could not use CUDA)"
     threads = threading.active_count()
     if threads > 1:
         return f"the imports started {threads - 1} thread(s) (a fork would copy their locks held)"
@@ -149,6 +161,10 @@ class Server:
 
 def main(argv: list[str]) -> None:
     started = time.monotonic()
+    # torch.cuda.is_available() during the imports would otherwise initialise the CUDA driver
+    # (poisoning every fork); NVML answers the same question without it. The server's own
+    # environment only: each rank gets its client's.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     listener = socket.socket(fileno=int(argv[0]))  # bound and listening already (see .beside)
     modules = preload()
     hazard = fork_hazard()
