@@ -61,9 +61,7 @@ def cuda_driver_loaded(maps: str) -> bool:
     """Whether ``maps`` (``/proc/self/maps``) shows the CUDA driver library loaded: once it is, the
     driver may be initialised (``cuInit``), and a forked child's CUDA calls fail, even though
     ``torch.cuda.is_initialized()`` still says False (``torch.cuda.is_available()`` does that)."""
-    return any(
-        line.rstrip().endswith(("/libcuda.so", "/libcuda.so.1")) or "/libcuda.so." in line for line in maps.splitlines()
-    )
+    return "/libcuda.so" in maps  # libcuda.so.1, libcuda.so.550.54.15; never libcudart
 
 
 def fork_hazard() -> str | None:
