@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.beside import start_server
 from pretrain.resilience.standby.server import cuda_driver_loaded, fork_hazard
 from pretrain.resilience.standby.wire import ENV
@@ -112,6 +113,23 @@ def test_without_a_server_the_client_runs_the_rank_itself() -> None:
     seen = json.loads(done.stdout)
     assert seen["ppid"] == os.getpid() and seen["agent"] is None, "the client itself must run the rank"
     assert "does not answer" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_server_that_closes_without_forking_leaves_the_rank_to_its_client() -> None:
+    name = f"pretrain-standby-refusing-{os.getpid()}"
+    with wire.listen(name) as listener:
+
+        def refuse() -> None:
+            conn, _ = listener.accept()
+            conn.close()
+
+        refuser = threading.Thread(target=refuse)
+        refuser.start()
+        env = {**os.environ, ENV: name, "PYTHONPATH": str(REPO)}
+        done = subprocess.run([*RANK, "report", "4"], env=env, capture_output=True, text=True, timeout=120)
+        refuser.join()
+    assert done.returncode == 4 and json.loads(done.stdout)["ppid"] == os.getpid()
+    assert "closed without starting the rank" in done.stderr
 
 
 def test_a_server_whose_imports_started_a_thread_refuses_to_fork() -> None:

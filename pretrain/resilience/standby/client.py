@@ -90,14 +90,20 @@ def forward(module: str) -> int | None:
         return None
     forwarder = Forwarder()
     with sock:
-        _request(sock, module)
-        started, _ = wire.receive(sock)
-        if started is None:  # refused or gone before forking: nothing runs anywhere yet
+        try:
+            _request(sock, module)
+            started, _ = wire.receive(sock)
+        except OSError:  # reset: the server went away (or refused) before forking
+            started = None
+        if started is None:  # nothing runs anywhere yet
             forwarder.release()
             print(f"standby: server {name} closed without starting the rank; running it here", file=sys.stderr)
             return None
         forwarder.attach(int(started["pid"]))
-        ended, _ = wire.receive(sock)
+        try:
+            ended, _ = wire.receive(sock)
+        except OSError:
+            ended = None
     if ended is None:
         return _outlive_lost_server(int(started["pid"]))
     return mirror(int(ended["status"]))
