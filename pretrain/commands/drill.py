@@ -39,6 +39,8 @@ from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import load_config
 from pretrain.observability.goodput import format_goodput, goodput_from_records
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
+from pretrain.resilience.phases import read_phases
+from pretrain.resilience.standby.beside import with_standby
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
 TIER0_KILL_AT, TIER0_STEPS = 43, 60  # before tier 1's first save (step 50): only tier 0 holds a step
@@ -110,7 +112,7 @@ class Drill:
 
     def _torchrun(self, cfg: Path, name: str) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        return self._run([*cmd, "-m", "pretrain", "train", "--config", str(cfg)], name)
+        return self._run(with_standby([*cmd, "-m", "pretrain", "train", "--config", str(cfg)]), name)
 
     def _ft_launch(self, cfg: Path, name: str, max_restarts: int) -> int:
         ft = self.work / "ft.yaml"
@@ -128,12 +130,16 @@ class Drill:
     def _restores(self, run_id: str) -> list[dict[str, Any]]:
         return [e for e in self._jsonl(run_id, "events.jsonl") if e["event"] == "restore"]
 
-    def _orphans(self, cfg: Path) -> list[str]:
-        """``PID command line`` of every live process started with ``cfg`` (this process excluded)."""
+    def _orphans(self, cfg: Path, run_id: str) -> list[str]:
+        """``PID command line`` of every live process started with ``cfg`` (this process excluded),
+        and of every rank process the run's phase records name (a rank forked by the standby
+        process has the standby's command line, not ``cfg``)."""
+        ranks = {int(rec["pid"]) for rec in read_phases(self.work / "runs" / run_id).values()}
         out = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
             cmdline = " ".join(proc.info["cmdline"] or [])  # None: not readable, or a kernel thread
-            if str(cfg) in cmdline and proc.info["pid"] != os.getpid():
+            alive = proc.info["status"] != psutil.STATUS_ZOMBIE
+            if alive and (str(cfg) in cmdline or proc.info["pid"] in ranks) and proc.info["pid"] != os.getpid():
                 out.append(f"{proc.info['pid']} {cmdline}")
         return out
 
@@ -213,7 +219,7 @@ class Drill:
             f"rank 0 (pid {killed.get(0)}) SIGKILLed while loading step 100 in the second attempt; its record: "
             f"{second.get('evidence')}; the third attempt restored {got[-1] if got else None}",
         )
-        orphans = self._orphans(cfg2)
+        orphans = self._orphans(cfg2, "drill")
         rep.check("no-orphans", not orphans, f"leftover processes: {orphans or 'none'}")
         self._check_matches(base, restores, cfg2)
 
