@@ -118,12 +118,19 @@ class CpuCap(threading.Thread):
             time.sleep(0.1)
         else:
             return
-        before = cpu_seconds(pid)
-        time.sleep(self.measure_s)
-        rate = (cpu_seconds(pid) - before) / self.measure_s
-        with throttled(pid, self.cap or max(rate / 2, 0.02)) as cgroup:
+        rate: float | None = None
+        cap = self.cap  # a fixed cap binds at once (a second of measuring is 25 steps of the tiny job)
+        if cap is None:
+            rate = self._measured_rate(pid)
+            cap = max(rate / 2, 0.02)
+        with throttled(pid, cap) as cgroup:
             self.done = {"step": self.step(), "time": time.time(), "rate": rate, "cgroup": str(cgroup)}
             self.record.write_text(json.dumps(self.done))
             deadline = time.monotonic() + 600
             while not self.stop.wait(0.2) and not self.until() and time.monotonic() < deadline:
                 pass
+
+    def _measured_rate(self, pid: int) -> float:
+        before = cpu_seconds(pid)
+        time.sleep(self.measure_s)
+        return (cpu_seconds(pid) - before) / self.measure_s

@@ -82,6 +82,25 @@ def test_sigterm_to_the_client_is_handled_by_the_rank(server_env: tuple[dict[str
         client.wait()
 
 
+def test_the_jobs_signals_to_every_process_end_the_rank_and_not_the_server(
+    server_env: tuple[dict[str, str], psutil.Process],
+) -> None:
+    """Slurm's --signal and scancel signal every process of the step: the server too."""
+    env, server = server_env
+    client = subprocess.Popen([*RANK, "wait-term"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None and client.stdout.readline().startswith("ready")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            server.send_signal(sig)
+        client.send_signal(signal.SIGTERM)
+        out, _ = client.communicate(timeout=30)
+        assert client.returncode == 0 and "terminated cleanly" in out
+        assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    finally:
+        client.kill()
+        client.wait()
+
+
 def test_a_killed_client_takes_its_rank_and_everything_the_rank_started(
     server_env: tuple[dict[str, str], psutil.Process],
 ) -> None:

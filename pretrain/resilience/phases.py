@@ -120,6 +120,10 @@ class PhaseRecord:
         self.on_enter(phase)
 
     def _write(self) -> None:
+        if self._record and self._record.get("pid") != os.getpid():
+            # A forked copy of the rank (a background writer) that got the group's SIGTERM after
+            # the rank died: its copy of the record is stale and the record is not its own.
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.path, json.dumps(self._record).encode())

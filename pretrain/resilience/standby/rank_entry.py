@@ -15,11 +15,12 @@ import torch
 
 from pretrain.resilience.standby.wire import RankRequest
 
-# The server's own signal dispositions are not the rank's: a rank starts with Python's defaults.
+# The server ignores the job's signals (they are the ranks'): a rank starts with Python's defaults.
 _DEFAULT_DISPOSITIONS = {
     signal.SIGINT: signal.default_int_handler,
     signal.SIGTERM: signal.SIG_DFL,
     signal.SIGHUP: signal.SIG_DFL,
+    signal.SIGQUIT: signal.SIG_DFL,
     signal.SIGUSR1: signal.SIG_DFL,
     signal.SIGUSR2: signal.SIG_DFL,
     signal.SIGCHLD: signal.SIG_DFL,

@@ -43,6 +43,7 @@ PRELOAD = (
     "torch.utils.serialization",
 )
 
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 GROUP_GRACE_S = 5.0  # torch elastic's default before it SIGKILLs a worker group that ignored SIGTERM
 
 
@@ -164,6 +165,10 @@ def main(argv: list[str]) -> None:
     # (poisoning every fork); NVML answers the same question without it. The server's own
     # environment only: each rank gets its client's.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # Signals for the job (Slurm's --signal and scancel, a terminal's ^C) reach every process of
+    # the step, this one too: they are the ranks' to handle. This process ends with its launcher.
+    for sig in JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     listener = socket.socket(fileno=int(argv[0]))  # bound and listening already (see .beside)
     modules = preload()
     hazard = fork_hazard()
