@@ -10,6 +10,8 @@ end-to-end proof under ft_launcher is tests/test_stalled_storage_job.py.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reporting import failure_reason
 from pretrain.checkpointing.tier_health import STALL_FLOOR_S, TierHealth, TierStalled, stall_deadline
 from pretrain.config import Config
+from tests.helpers import REPO
 from tests.test_restore_selection import _cfg, _save, _state, _tiers, _train_to
 from tiering.errors import PublishError
 
@@ -173,3 +176,57 @@ def test_the_health_probe_marks_a_stalled_tier_healthy_only_when_the_storage_ans
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert health.healthy and health.reason is None
+
+
+def _state_of(pid: int) -> str | None:
+    """The process's state letter (R, S, D, Z, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _run_stuck_writer(tmp: Path, mount: GatedMount, mode: str) -> tuple[subprocess.Popen[str], int]:
+    """Start tests/stuck_writer.py (it closes the gate); returns it once it reported the stall."""
+    cmd = [sys.executable, "-m", "tests.stuck_writer", str(tmp / mode), str(mount.mountpoint), mode, str(mount.gate)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    while line and not line.startswith(("stalled", "never", "published")):
+        line = proc.stdout.readline()  # warnings and log lines before the verdict
+    assert line.startswith("stalled"), line
+    return proc, int(line.split()[1])
+
+
+def test_a_rank_exits_while_its_fork_writer_is_stuck_in_the_kernel(tmp_path: Path, gated: GatedMount) -> None:
+    """The writer is its own process: the rank leaves at once; the writer, unkillable in the
+    kernel meanwhile, exits when the storage answers."""
+    mount = gated
+    proc, writer = _run_stuck_writer(tmp_path, mount, "fork")
+    try:
+        assert proc.wait(timeout=10) == 0  # the gate is still closed
+        assert writer > 0 and _state_of(writer) == "D", "the orphaned writer is stuck in the kernel"
+    finally:
+        proc.kill()
+        mount.open()
+    deadline = time.monotonic() + 10
+    while _state_of(writer) not in (None, "Z"):
+        assert time.monotonic() < deadline, "the writer did not exit once the storage answered"
+        time.sleep(0.05)
+
+
+def test_a_thread_writer_stuck_in_the_kernel_keeps_the_process_from_exiting(tmp_path: Path, gated: GatedMount) -> None:
+    """Why auto is fork on CPU: with the write in a thread the process cannot finish exiting
+    (ft_launcher would wait for it) until the storage answers."""
+    mount = gated
+    proc, _ = _run_stuck_writer(tmp_path, mount, "thread")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)
+        assert _state_of(proc.pid) in ("Z", "D", "S"), "returned from main, but not gone"
+        mount.open()
+        assert proc.wait(timeout=10) == 0  # gone as soon as the write returned
+    finally:
+        mount.open()
+        proc.kill()
+        proc.wait(10)
