@@ -189,7 +189,7 @@ class PerRankCheckpoints:
             "if saves there are legitimately this slow",
             self.rank,
             self.node_root,
-            what,
+            what.removeprefix(f"{STALLED}: "),
             self.cfg.checkpoint.local.probe_interval_s,
         )
 

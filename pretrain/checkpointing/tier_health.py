@@ -137,7 +137,7 @@ class TierHealth:
             self._probe = None
             if answer:
                 log.warning(
-                    "tier 1 storage at %s answers again after %.0fs (%s): its saves resume",
+                    "tier 1 storage answers again (probe of %s) after %.0fs stalled (%s): its saves resume",
                     self.where,
                     time.monotonic() - (self.since or time.monotonic()),
                     self.reason,
