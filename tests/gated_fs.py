@@ -9,19 +9,16 @@ while the gate is closed is stuck in the kernel as a real stalled NFS/Lustre wri
 (uninterruptible once the request reached this daemon: SIGKILL does not free it) until the gate
 file is removed.
 
-:class:`GatedMount` starts and stops the daemon from a test: ``close()`` / ``open()`` the gate,
-``stop()`` opens the gate (freeing every blocked writer), unmounts and waits for the daemon.
+:class:`pretrain.soak.storage.GatedMount` starts and stops this daemon (tests and the soak's
+``blocked-write`` kind): the file system stays here, with the tests; only its handle is in the soak.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from fuse import FUSE, FuseOSError, Operations
@@ -122,44 +119,6 @@ class GatedPassthrough(Operations):
 
     def symlink(self, target: str, source: str) -> None:
         os.symlink(source, self._full(target))
-
-
-class GatedMount:
-    """The daemon, from a test: mounted at construction, gate open. Always ``stop()`` it (finally)."""
-
-    def __init__(self, backing: Path, mountpoint: Path, gate: Path, log: Path) -> None:
-        self.backing, self.mountpoint, self.gate = backing, mountpoint, gate
-        backing.mkdir(parents=True, exist_ok=True)
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        self.open()
-        self._log = log.open("ab")
-        cmd = [sys.executable, "-m", "tests.gated_fs", str(backing), str(mountpoint), str(gate)]
-        root = Path(__file__).resolve().parent.parent
-        self.proc = subprocess.Popen(cmd, cwd=root, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while not os.path.ismount(mountpoint):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"gated FUSE mount at {mountpoint} did not come up; see {log}")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.gate.write_bytes(b"closed")
-
-    def open(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.gate.unlink()
-
-    def stop(self) -> None:
-        self.open()  # every blocked writer returns first
-        if os.path.ismount(self.mountpoint):
-            subprocess.run(["umount", "-l", str(self.mountpoint)], check=False, capture_output=True)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log.close()
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from tiering.errors import PublishError
 
 fuse = pytest.importorskip("fuse", reason="fusepy missing: pip install -e '.[test]'")
 
-from tests.gated_fs import GatedMount  # noqa: E402 - needs fusepy, checked just above
+from pretrain.soak.storage import GatedMount  # noqa: E402
 
 DEADLINE_S = 1.5
 

@@ -22,7 +22,7 @@ from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overri
 
 pytest.importorskip("fuse", reason="fusepy missing: pip install -e '.[test]'")
 
-from tests.gated_fs import GatedMount  # noqa: E402 - needs fusepy, checked just above
+from pretrain.soak.storage import GatedMount  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
