@@ -13,8 +13,9 @@ stalls, and a process with a thread stuck there cannot even finish exiting. So:
   rank waits for it at most a deadline and never joins it: a probe stuck in the kernel stays
   behind as its own process, which exits when the storage answers, never as a thread of the rank.
 * :class:`TierHealth`: healthy, or unhealthy since when and why. :meth:`TierHealth.usable` is
-  non-blocking: while unhealthy it starts a probe at most every ``probe_interval_s`` and reads the
-  last one's exit; an answer makes the tier healthy again.
+  non-blocking: a probe starts the moment the tier turns unhealthy (a stuck one answers as soon
+  as the storage does), then at most every ``probe_interval_s`` after one that failed; reading
+  the last one's exit is all it does, and an answer makes the tier healthy again.
 
 The caller (:class:`pretrain.checkpointing.per_rank.PerRankCheckpoints`) decides what a stall
 means for the job: it abandons the stuck writer, skips the tier's saves and restores while any
@@ -111,6 +112,8 @@ class TierHealth:
         self.healthy, self.reason = False, reason
         if was:
             self.since = self._last_probe = time.monotonic()
+            if self._probe is None:  # at once: it answers the moment the storage does
+                self._probe = StorageProbe(self.where)
         return was
 
     def check_now(self, timeout: float) -> bool:
@@ -121,9 +124,9 @@ class TierHealth:
         if answer:
             return True
         why = "did not answer" if answer is None else "answered with an error"
-        self.mark_stalled(f"{STALLED}: a probe write of {self.where} {why} within {timeout:.1f}s")
         if answer is None:
             self._probe = probe  # still running: usable() reads its exit later
+        self.mark_stalled(f"{STALLED}: a probe write of {self.where} {why} within {timeout:.1f}s")
         return False
 
     def usable(self) -> bool:

@@ -29,6 +29,8 @@ from pretrain.soak.runner import (
     read_metrics,
 )
 from pretrain.soak.schedule import (
+    KINDS,
+    STORAGE_KINDS,
     PlannedFault,
     SoakRequestError,
     Survivability,
@@ -37,6 +39,7 @@ from pretrain.soak.schedule import (
     draw_schedule,
     parse_kinds,
 )
+from pretrain.soak.storage import fuse_missing
 from pretrain.soak.timeline import plot_timeline
 
 # A restart of the tiny CPU job (detection, new processes, imports, rendezvous, restore, first step)
@@ -45,9 +48,10 @@ from pretrain.soak.timeline import plot_timeline
 RESTART_S = 4.0
 
 
-def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, Any]:
+def second_resume(runner: SoakRunner, steps: int, base_dir: Path, restarted: bool = True) -> dict[str, Any]:
     """One more restart after the soak's run ended: it must restore the last step (written by an
-    attempt that was itself restored) with its data position, and go on bit-equal to the baseline."""
+    attempt that was itself restored, when a fault of the run restarted it: ``restarted``; storage
+    faults alone restart nothing) with its data position, and go on bit-equal to the baseline."""
     faulted = runner.run_dir("faulted")
     before = {a["id"] for a in read_attempts(faulted)}
     times = runner.plain_run("faulted", steps + SECOND_RESUME_STEPS, "second-resume.log")
@@ -62,7 +66,7 @@ def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, A
     passed = (
         times.rc == 0
         and restored == steps
-        and writer.get("restored") is not None
+        and (writer.get("restored") is not None or not restarted)
         and position_ok
         and not differ
         and len(rows) == SECOND_RESUME_STEPS
@@ -127,7 +131,13 @@ def run_soak(
     kinds = parse_kinds(kinds_spec)
     runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps, data=check_data(data)))
     cfg = runner.loaded()
-    can = Survivability(cfg.checkpoint.replication.factor >= 2, RESTART_S)
+    can = Survivability(
+        cfg.checkpoint.replication.factor >= 2,
+        RESTART_S,
+        background_saves=cfg.checkpoint.async_.enabled,
+        writer_process=cfg.checkpoint.async_.mode != "thread",  # auto is a writer process on CPU
+        cannot_mount=fuse_missing() if set(kinds) & set(STORAGE_KINDS) else None,
+    )
     check_request(kinds, faults, mtti, can, mtti_steps)
     in_steps = mtti_steps is not None
     schedule = draw_schedule(kinds, faults, mtti_steps or mtti, ranks=runner.s.nproc, seed=seed, in_steps=in_steps)
@@ -137,8 +147,14 @@ def run_soak(
         shutil.rmtree(work)
     work.mkdir(parents=True)
     runner.prepare_data()
-    base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
-    resume = second_resume(runner, steps, runner.run_dir("baseline"))
+    try:
+        if set(kinds) & set(STORAGE_KINDS):
+            runner.setup_storage()  # the faulted run's tier 1, kept for the second resume
+        base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
+        restarted = any(KINDS[p.kind].target != "storage" for p in schedule)
+        resume = second_resume(runner, steps, runner.run_dir("baseline"), restarted)
+    finally:
+        runner.teardown_storage()
     report = build_report(
         runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume
     )
