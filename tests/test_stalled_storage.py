@@ -133,6 +133,29 @@ def test_a_blocking_poll_gives_up_at_the_deadline(tmp_path: Path, gated: GatedMo
     assert time.monotonic() - t0 < DEADLINE_S + 1.0
 
 
+def test_a_synchronous_save_on_a_stalled_storage_fails_at_the_deadline_and_the_next_is_skipped(
+    tmp_path: Path, gated: GatedMount
+) -> None:
+    """The emergency save on preemption and checkpoint.async.enabled: false: the training thread
+    waits at most the deadline, never in the kernel (the write is a writer process on CPU)."""
+    cfg = _stalling_cfg(tmp_path, gated)
+    tiers, state = _tiers(cfg), _state(cfg)
+    _save(tiers, state, 10)
+    gated.close()
+    _train_to(state, 20)
+    t0 = time.monotonic()
+    with pytest.raises(PublishError, match="step 20 is not complete in tier 1: rank 0: stalled: the write of"):
+        tiers.save(state)
+    assert DEADLINE_S <= time.monotonic() - t0 < DEADLINE_S + 1.0
+    _train_to(state, 30)
+    with pytest.raises(TierStalled):
+        tiers.save(state, deadline=time.monotonic() + 30)
+    gated.open()
+    _wait_usable(tiers)
+    _save(tiers, state, 40)
+    assert tiers.store.committed_steps() == [40, 10]
+
+
 def test_auto_writes_tier_1_from_its_own_process_on_cpu(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)  # checkpoint.async.mode: auto
     tiers, state = _tiers(cfg), _state(cfg)

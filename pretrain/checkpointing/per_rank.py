@@ -215,7 +215,8 @@ class PerRankCheckpoints:
 
         All or nothing: a rank commits its part only when every rank wrote its own, so a step is
         never half-present in tier 1. ``deadline`` (``time.monotonic()``) bounds an emergency save:
-        past it, nothing is published.
+        past it, nothing is published. The write is bounded too where a writer process can be
+        forked (see :meth:`_write_now`).
         """
         self.finish_publishing()
         self._skip_if_stalled(state.step)
@@ -225,9 +226,8 @@ class PerRankCheckpoints:
         payload: dict[str, Any] | None = None
         digest = None
         try:
-            tmp = self.publisher.begin(state.step, self._needed_bytes(), self._make_room)
             payload = self._payload(state)
-            digest = write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing)
+            tmp, digest, error = self._write_now(state.step, payload, deadline)
         except (TieringError, OSError) as exc:  # storage said no; a bug (TypeError, ...) fails the attempt
             error = str(exc)
         if error is None and deadline is not None and time.monotonic() > deadline:
@@ -237,6 +237,36 @@ class PerRankCheckpoints:
         if self._keep_host_copy and payload is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
         return result
+
+    def _write_now(
+        self, step: int, payload: dict[str, Any], deadline: float | None
+    ) -> tuple[Path | None, ChunkedDigest | None, str | None]:
+        """A synchronous save's write: (temporary directory, digest, error). Where the writer may
+        fork (``_async_mode`` fork: CPU) it runs in a writer process waited for at most the stall
+        deadline (and the emergency ``deadline``): storage that stalls fails the save instead of
+        holding the training thread in the kernel, where a SIGTERM could not end the rank either.
+        Otherwise (GPU) it is written on this thread, unbounded."""
+        if self._async_mode() != "fork":
+            tmp = self.publisher.begin(step, self._needed_bytes(), self._make_room)
+            return tmp, write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing), None
+        tmp, expected = self.store.layout.tmp_dir(step, self.attempt), self._needed_bytes()
+        limit = self.stall_deadline()
+        if deadline is not None:
+            limit = min(limit, max(0.0, deadline - time.monotonic()))
+
+        def make_tmp_dir() -> None:
+            self.publisher.begin(step, expected, self._make_room)
+
+        write = BackgroundWrite("fork", payload, tmp / STATE_FILE, prepare=make_tmp_dir, hashing=self.hashing)
+        outcome = write.poll(block=True, timeout=limit)
+        if outcome is not None:
+            return tmp, outcome.digest, outcome.error
+        if limit < self.stall_deadline():  # the emergency deadline, not a stall
+            write.abandon()
+            return None, None, "emergency save deadline passed before commit"
+        what = f"{STALLED}: the write of {write.path} did not finish within {limit:.1f}s"
+        self._stalled(step, what, write)
+        return None, None, what
 
     # -- background saves -------------------------------------------------------------------------
     @property
