@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "per-rank-torch/v1"
 STATE_FILE = "state.pt"
+TIERS_SKIPPED = "tiers 1-2 skipped"  # how a restore says it did not wait on a stalled tier 1
 
 # The newest tier-1 payload this process committed, per (run, rank): it outlives an in-process
 # restart (same process), so the next incarnation restores without reading the disk.
@@ -525,7 +526,7 @@ class PerRankCheckpoints:
         (the restore falls back) when any rank's tier-1 storage is stalled."""
         if not self.agree_healthy():
             why = self.health.reason or "another rank's tier-1 storage is stalled"
-            return PeerPlanResult(None, rejected=[f"tiers 1-2 skipped: {why}"])
+            return PeerPlanResult(None, rejected=[f"{TIERS_SKIPPED}: {why}"])
         return self.recovery.recover()
 
     def load(self, restore: PeerRestore, state: TrainingState) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.checkpointing.memory_tier import MemoryTier
-from pretrain.checkpointing.per_rank import PerRankCheckpoints, build_per_rank_checkpoints
+from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
@@ -264,6 +264,7 @@ class TieredCheckpointer:
                 log.warning(notes[-1])
         if plan is not None:
             self._unusable.extend(plan.rejected)
+            notes += [r for r in plan.rejected if r.startswith(TIERS_SKIPPED)]  # stalled storage
         peer = plan.restore if plan is not None else None
         newest_reshardable = self.reshardable.newest_committed() if self.reshardable is not None else None
         from_s3 = self._fetch_from_s3(max(peer.step if peer else -1, newest_reshardable or -1), notes)
