@@ -138,7 +138,7 @@ class PerRankCheckpoints:
         self.replicator = replicator
         self.recovery = recovery
         local = cfg.checkpoint.local
-        self.health = TierHealth(Path(local.dir) / ".health" / f"rank-{self.rank:05d}", local.probe_interval_s)
+        self.health = TierHealth(Path(local.dir) / ".health" / f"probe-{self.rank:05d}", local.probe_interval_s)
         self._slowest_s = 0.0  # the slowest tier-1 save of this attempt (the default stall deadline)
 
     def stores(self) -> list[Any]:
