@@ -106,7 +106,7 @@ def test_a_write_that_never_returns_marks_the_tier_stalled_and_saves_resume_once
     with pytest.raises(PublishError, match=r"stalled: the write of .*state.pt did not finish within 1.5s"):
         _poll_until_done(tiers, 10 * DEADLINE_S)
     stalled_after = time.monotonic() - t0
-    assert DEADLINE_S <= stalled_after < DEADLINE_S + 1.0
+    assert DEADLINE_S <= stalled_after < DEADLINE_S + 2.0
     assert not tiers.health.healthy and tiers.in_flight is None and not tiers.busy()
     _train_to(state, 30)
     with pytest.raises(TierStalled, match="tier 1 save of step 30 skipped: stalled"):
@@ -130,7 +130,7 @@ def test_a_blocking_poll_gives_up_at_the_deadline(tmp_path: Path, gated: GatedMo
     t0 = time.monotonic()
     with pytest.raises(PublishError, match="stalled"):
         tiers.poll_async(block=True)  # the final step's wait, or when_busy=wait
-    assert time.monotonic() - t0 < DEADLINE_S + 1.0
+    assert time.monotonic() - t0 < DEADLINE_S + 2.0
 
 
 def test_a_synchronous_save_on_a_stalled_storage_fails_at_the_deadline_and_the_next_is_skipped(
@@ -146,7 +146,7 @@ def test_a_synchronous_save_on_a_stalled_storage_fails_at_the_deadline_and_the_n
     t0 = time.monotonic()
     with pytest.raises(PublishError, match="step 20 is not complete in tier 1: rank 0: stalled: the write of"):
         tiers.save(state)
-    assert DEADLINE_S <= time.monotonic() - t0 < DEADLINE_S + 1.0
+    assert DEADLINE_S <= time.monotonic() - t0 < DEADLINE_S + 2.0
     _train_to(state, 30)
     with pytest.raises(TierStalled):
         tiers.save(state, deadline=time.monotonic() + 30)
@@ -174,7 +174,7 @@ def test_a_restore_never_waits_on_a_stalled_tier(tmp_path: Path, gated: GatedMou
     t0 = time.monotonic()
     after = _tiers(cfg, "a1")  # its prepare() probes the storage in a process it does not wait for
     plan = after.plan_restore()
-    assert time.monotonic() - t0 < DEADLINE_S + 1.0
+    assert time.monotonic() - t0 < DEADLINE_S + 2.0
     assert plan.restore is None and "tiers 1-2 skipped: stalled: a probe write" in plan.rejected[0]
     assert not after.health.healthy
     gated.open()

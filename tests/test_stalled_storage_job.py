@@ -30,7 +30,7 @@ COMMON = {
     "train.steps": 40,
     "checkpoint.local.interval": 5,
     "checkpoint.reshardable.interval": 20,
-    "checkpoint.local.stall_timeout_s": 1.5,
+    "checkpoint.local.stall_timeout_s": 3.0,
     "checkpoint.local.probe_interval_s": 0.5,
 }
 

@@ -239,7 +239,7 @@ class BackgroundWrite:
         killed (and left behind if the kernel holds it); a thread writer cannot be stopped: the
         thread is left to its write and later saves get a new writer thread."""
         if self._pid is not None:
-            self.kill(wait_s=0.5)
+            self.kill(wait_s=0.2)
         elif self._written is not None and not self._written.is_set():
             _WRITER.replace()
 
