@@ -235,6 +235,7 @@ class PerRankCheckpoints:
             error = "emergency save deadline passed before commit"
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
         result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0, digest)
+        self._slowest_s = max(self._slowest_s, time.perf_counter() - t0)
         if self._keep_host_copy and payload is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
         return result
