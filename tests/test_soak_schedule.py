@@ -71,6 +71,10 @@ def test_a_run_too_short_for_its_step_paced_faults_is_refused_naming_the_steps_i
         ("kill-rank", 1.0, CAN, "faults would arrive faster than recovery"),
         ("kill-rank,kill-node", 30.0, Survivability(False, 4.0), "cannot survive"),
         ("sigterm", 30.0, Survivability(False, 4.0), "cannot survive"),
+        ("kill-rank,blocked-write", 30.0, Survivability(True, 4.0, cannot_mount="mounting needs root"), "needs root"),
+        ("full-disk", 30.0, Survivability(True, 4.0, cannot_mount="/dev/fuse is missing"), "/dev/fuse is missing"),
+        ("blocked-write", 30.0, Survivability(True, 4.0, background_saves=False), "no stall deadline"),
+        ("blocked-write", 30.0, Survivability(True, 4.0, writer_process=False), "keeps its rank from exiting"),
     ],
 )
 def test_bad_requests_are_refused_in_one_line_with_a_fix(
@@ -101,4 +105,24 @@ def test_the_command_refuses_bad_input_before_running_anything(
         rc = main(["soak", *args, "--workdir", str(work)])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and says in err and len(err.splitlines()) == 1, err
+    assert not work.exists()
+
+
+def test_a_config_that_survives_a_stall_is_not_refused_for_the_storage_kinds() -> None:
+    check_request(parse_kinds("blocked-write,full-disk,kill-rank"), 5, 30.0, CAN)
+    # a thread writer survives a full disk (it fails, it does not hang)
+    check_request(parse_kinds("full-disk"), 5, 30.0, Survivability(True, 4.0, writer_process=False))
+
+
+def test_the_command_refuses_a_stall_with_a_thread_writer_before_running_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    work = tmp_path / "soak"
+    threaded = tmp_path / "thread-writer.yaml"
+    cfg = yaml.safe_load(TINY.read_text())
+    cfg["checkpoint"]["async"] = {"mode": "thread"}
+    threaded.write_text(yaml.safe_dump(cfg))
+    rc = main(["soak", "--kinds", "blocked-write", "--workdir", str(work), "--config", str(threaded)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "thread tier-1 writer" in err and len(err.splitlines()) == 1, err
     assert not work.exists()

@@ -182,12 +182,13 @@ class BackgroundWrite:
         except Exception as exc:  # a bug: poll() raises it on the training thread, failing the attempt
             self._thread_bug = exc
 
-    def poll(self, block: bool = False) -> WriteOutcome | None:
-        """None while running; the outcome once the writer ended (cause included on failure)."""
+    def poll(self, block: bool = False, timeout: float | None = None) -> WriteOutcome | None:
+        """None while running; the outcome once the writer ended (cause included on failure).
+        ``block`` waits for the end, for at most ``timeout`` seconds when given (then None)."""
         if self._outcome is not None:
             return self._outcome
         if self._pid is not None:
-            pid, status = os.waitpid(self._pid, 0 if block else os.WNOHANG)
+            pid, status = self._wait_child(block, timeout)
             if pid == 0:
                 return None
             error = None
@@ -204,7 +205,7 @@ class BackgroundWrite:
                 self._digest = report.get("digest")
         else:
             assert self._written is not None
-            if not self._written.wait(None if block else 0):
+            if not self._written.wait(timeout if block else 0):
                 return None
             if self._thread_bug is not None:
                 raise self._thread_bug
@@ -212,12 +213,35 @@ class BackgroundWrite:
         self._outcome = WriteOutcome(error is None, error, time.perf_counter() - self.started, self._digest)
         return self._outcome
 
-    def kill(self) -> None:
-        """Stop a fork writer that is no longer wanted (its step will not be committed)."""
+    def _wait_child(self, block: bool, timeout: float | None) -> tuple[int, int]:
+        assert self._pid is not None
+        if not block or timeout is None:
+            return os.waitpid(self._pid, 0 if block else os.WNOHANG)
+        end = time.monotonic() + timeout
+        while (found := os.waitpid(self._pid, os.WNOHANG))[0] == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        return found
+
+    def kill(self, wait_s: float | None = None) -> None:
+        """Stop a fork writer that is no longer wanted (its step will not be committed). A writer
+        stuck in the kernel (a stalled file system) survives SIGKILL until the storage answers:
+        with ``wait_s`` it is waited for at most that long, then left behind (its own process:
+        it never keeps this one from exiting)."""
         if self._pid is not None and self._outcome is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._pid, 9)
-            self.poll(block=True)
+            if self.poll(block=True, timeout=wait_s) is None:
+                log.warning("background writer (pid %d) is stuck in the kernel; left behind", self._pid)
+                self._close_pipe()
+
+    def abandon(self) -> None:
+        """Give up on this write without waiting (its tier's storage stalled). A fork writer is
+        killed (and left behind if the kernel holds it); a thread writer cannot be stopped: the
+        thread is left to its write and later saves get a new writer thread."""
+        if self._pid is not None:
+            self.kill(wait_s=0.2)
+        elif self._written is not None and not self._written.is_set():
+            _WRITER.replace()
 
     def _close_pipe(self) -> None:
         if self._report_fd is not None:
@@ -235,18 +259,26 @@ class WriterThread:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def replace(self) -> None:
+        """The thread is stuck in a write that will not return soon: later work gets a new thread
+        and queue (the old thread ends after its write; it is a daemon, nothing joins it)."""
+        with self._lock:
+            self._queue = queue.SimpleQueue()
+            self._thread = None
+
     def submit(self, work: Callable[[], object]) -> threading.Event:
         done = threading.Event()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="ckpt-writer", daemon=True)
-                self._thread.start()  # once per process
-        self._queue.put((work, done))
+                self._thread = threading.Thread(target=self._loop, args=(self._queue,), name="ckpt-writer", daemon=True)
+                self._thread.start()  # once per process (and after a stalled write)
+            self._queue.put((work, done))
         return done
 
-    def _loop(self) -> None:
+    @staticmethod
+    def _loop(work_queue: queue.SimpleQueue[tuple[Callable[[], object], threading.Event]]) -> None:
         while True:
-            work, done = self._queue.get()
+            work, done = work_queue.get()
             try:
                 work()
             finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
+from pretrain.checkpointing.tier_health import STALLED, TierHealth, TierStalled, stall_deadline
 from pretrain.config import Config, ReplicationConfig
 from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "per-rank-torch/v1"
 STATE_FILE = "state.pt"
+TIERS_SKIPPED = "tiers 1-2 skipped"  # how a restore says it did not wait on a stalled tier 1
 
 # The newest tier-1 payload this process committed, per (run, rank): it outlives an in-process
 # restart (same process), so the next incarnation restores without reading the disk.
@@ -134,6 +137,9 @@ class PerRankCheckpoints:
         self.holders = placement.holders
         self.replicator = replicator
         self.recovery = recovery
+        local = cfg.checkpoint.local
+        self.health = TierHealth(Path(local.dir) / ".health" / f"probe-{self.rank:05d}", local.probe_interval_s)
+        self._slowest_s = 0.0  # the slowest tier-1 save of this attempt (the default stall deadline)
 
     def stores(self) -> list[Any]:
         """The tier 1-2 stores on this rank: its own steps and the replicas it holds for peers."""
@@ -142,8 +148,12 @@ class PerRankCheckpoints:
         ]
 
     def prepare(self) -> None:
-        """Drop this rank's temporary directories left by earlier attempts; remember the size of
-        the newest committed step (what the first save of this attempt needs room for)."""
+        """Probe the storage (in its own process, for at most the stall deadline: a stalled tier is
+        marked unhealthy and left alone); drop this rank's temporary directories left by earlier
+        attempts; remember the size of the newest committed step (what the first save needs room for)."""
+        if not self.health.check_now(self.stall_deadline()):
+            self._report_stall(f"{self.health.reason}")
+            return
         for store in self.stores():
             for path in store.clean_stale_tmp(self.attempt):
                 log.info("removed unfinished local save of an earlier attempt: %s", path)
@@ -161,6 +171,42 @@ class PerRankCheckpoints:
         """The volume is short of space: every store of this rank keeps only its newest verified step."""
         return [step for store in self.stores() for step in store.make_room()]
 
+    # -- stalled storage ---------------------------------------------------------------------------
+    def stall_deadline(self) -> float:
+        """Seconds a save (or the start-of-attempt probe) may take before the storage counts as stalled."""
+        return stall_deadline(self.cfg.checkpoint.local.stall_timeout_s, self._slowest_s)
+
+    def agree_healthy(self) -> bool:
+        """Collective: is every rank's tier-1 storage answering? (Non-blocking on each rank: a
+        stalled one is probed in the background, see :class:`TierHealth`.)"""
+        return all(self.coll.all_gather(self.health.usable()))
+
+    def _report_stall(self, what: str) -> None:
+        """The one line a rank logs when its tier-1 storage stops answering."""
+        log.error(
+            "rank %d: tier 1 storage %s is stalled: %s; tier 1 is skipped (training goes on with the other "
+            "tiers) and probed every %.0fs until it answers; fix: check the file system under "
+            "checkpoint.local.dir (mount, NFS/Lustre server, disk), or raise checkpoint.local.stall_timeout_s "
+            "if saves there are legitimately this slow",
+            self.rank,
+            self.node_root,
+            what.removeprefix(f"{STALLED}: "),
+            self.cfg.checkpoint.local.probe_interval_s,
+        )
+
+    def _skip_if_stalled(self, step: int) -> None:
+        if not self.agree_healthy():
+            why = self.health.reason or "another rank's tier-1 storage is stalled"
+            raise TierStalled(f"tier 1 save of step {step} skipped: {why}")
+
+    def _stalled(self, step: int, what: str, write: BackgroundWrite | None = None) -> PublishError:
+        """This rank's save of ``step`` passed its deadline: abandon it and mark the tier unhealthy."""
+        if write is not None:
+            write.abandon()
+        if self.health.mark_stalled(what):
+            self._report_stall(what)
+        return PublishError(f"step {step} is not complete in tier 1: {what}")
+
     # -- save ------------------------------------------------------------------------------------
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.checkpoint.local.interval == 0
@@ -170,27 +216,59 @@ class PerRankCheckpoints:
 
         All or nothing: a rank commits its part only when every rank wrote its own, so a step is
         never half-present in tier 1. ``deadline`` (``time.monotonic()``) bounds an emergency save:
-        past it, nothing is published.
+        past it, nothing is published. The write is bounded too where a writer process can be
+        forked (see :meth:`_write_now`).
         """
         self.finish_publishing()
+        self._skip_if_stalled(state.step)
         t0 = time.perf_counter()
         error = None
         tmp: Path | None = None
         payload: dict[str, Any] | None = None
         digest = None
         try:
-            tmp = self.publisher.begin(state.step, self._needed_bytes(), self._make_room)
             payload = self._payload(state)
-            digest = write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing)
+            tmp, digest, error = self._write_now(state.step, payload, deadline)
         except (TieringError, OSError) as exc:  # storage said no; a bug (TypeError, ...) fails the attempt
             error = str(exc)
         if error is None and deadline is not None and time.monotonic() > deadline:
             error = "emergency save deadline passed before commit"
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
         result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0, digest)
+        self._slowest_s = max(self._slowest_s, time.perf_counter() - t0)
         if self._keep_host_copy and payload is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
         return result
+
+    def _write_now(
+        self, step: int, payload: dict[str, Any], deadline: float | None
+    ) -> tuple[Path | None, ChunkedDigest | None, str | None]:
+        """A synchronous save's write: (temporary directory, digest, error). Where the writer may
+        fork (``_async_mode`` fork: CPU) it runs in a writer process waited for at most the stall
+        deadline (and the emergency ``deadline``): storage that stalls fails the save instead of
+        holding the training thread in the kernel, where a SIGTERM could not end the rank either.
+        Otherwise (GPU) it is written on this thread, unbounded."""
+        if self._async_mode() != "fork":
+            tmp = self.publisher.begin(step, self._needed_bytes(), self._make_room)
+            return tmp, write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing), None
+        tmp, expected = self.store.layout.tmp_dir(step, self.attempt), self._needed_bytes()
+        limit = self.stall_deadline()
+        if deadline is not None:
+            limit = min(limit, max(0.0, deadline - time.monotonic()))
+
+        def make_tmp_dir() -> None:
+            self.publisher.begin(step, expected, self._make_room)
+
+        write = BackgroundWrite("fork", payload, tmp / STATE_FILE, prepare=make_tmp_dir, hashing=self.hashing)
+        outcome = write.poll(block=True, timeout=limit)
+        if outcome is not None:
+            return tmp, outcome.digest, outcome.error
+        if limit < self.stall_deadline():  # the emergency deadline, not a stall
+            write.abandon()
+            return None, None, "emergency save deadline passed before commit"
+        what = f"{STALLED}: the write of {write.path} did not finish within {limit:.1f}s"
+        self._stalled(step, what, write)
+        return None, None, what
 
     # -- background saves -------------------------------------------------------------------------
     @property
@@ -209,8 +287,9 @@ class PerRankCheckpoints:
         """Snapshot this rank's state and write it in the background; returns the seconds training
         was blocked. Every rank starts at the same step; :meth:`poll_async` publishes it."""
         assert self.in_flight is None, "one tier-1 save in flight at most"
-        t0 = time.perf_counter()
         step = state.step
+        self._skip_if_stalled(step)
+        t0 = time.perf_counter()
         tmp = self.store.layout.tmp_dir(step, self.attempt)
         entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
         try:
@@ -253,12 +332,15 @@ class PerRankCheckpoints:
         entry = self._inflight
         if entry is not None:
             write = entry["write"]
-            outcome = write.poll(block) if write is not None else None
-            if write is not None and outcome is None:
-                status = "running"
-            else:
-                status = entry["error"] or (outcome.error if outcome is not None else None) or "ok"
+            outcome, status = self._writer_status(entry, block)
             statuses = self.coll.all_gather(status)
+            stalled = next((f"rank {r}: {e}" for r, e in enumerate(statuses) if e.startswith(STALLED)), None)
+            if stalled is not None:
+                self._inflight = None
+                if status.startswith(STALLED):
+                    raise self._stalled(entry["step"], status, write)
+                shutil.rmtree(entry["tmp"], ignore_errors=True)  # this rank's storage answers
+                raise PublishError(f"step {entry['step']} is not complete in tier 1: {stalled}")
             if "running" in statuses:
                 if not block:
                     return None
@@ -271,16 +353,49 @@ class PerRankCheckpoints:
             host_copy = entry.get("host_copy") or (write.snapshot if write is not None else None)
             args = (entry["step"], entry["tmp"], entry.get("manifest"), error, entry["t0"], blocked, digest)
             self._publishing = _PublishInFlight(
-                entry["step"], lambda: self._publish(*args, coll=self.replicator.coll, peer_error=peer), host_copy
+                entry["step"],
+                lambda: self._publish(*args, coll=self.replicator.coll, peer_error=peer),
+                host_copy,
+                entry["t0"],
             )
         job = self._publishing
-        if job is None or (not block and not job.done()):
+        if job is None or not self._publish_ended(job, block):
             return None
         self._publishing = None
         result = job.result()  # raises the PublishError of a failed save
+        self._slowest_s = max(self._slowest_s, time.perf_counter() - job.t0)
         if self._keep_host_copy and job.host_copy is not None:
             _HOST_COPIES[(self.run_id, self.rank)] = (job.step, job.host_copy)
         return result
+
+    def _writer_status(self, entry: dict[str, Any], block: bool) -> tuple[Any, str]:
+        """This rank's writer: its outcome (None while it runs) and its status for the other ranks:
+        ``running``, ``ok``, the error, or ``stalled: ...`` once it ran past the stall deadline."""
+        write = entry["write"]
+        if write is None:
+            return None, entry["error"] or "ok"
+        deadline = self.stall_deadline()
+        outcome = write.poll(block, timeout=max(0.0, deadline - (time.perf_counter() - entry["t0"])))
+        if outcome is not None:
+            return outcome, entry["error"] or outcome.error or "ok"
+        if block or time.perf_counter() - entry["t0"] > deadline:
+            return None, f"{STALLED}: the write of {write.path} did not finish within {deadline:.1f}s"
+        return None, "running"
+
+    def _publish_ended(self, job: _PublishInFlight, block: bool) -> bool:
+        """Whether the background publish of ``job`` ended (``block``: wait for it, up to the
+        stall deadline). Past the deadline it is abandoned (a daemon thread nothing joins) and the
+        tier marked stalled: PublishError."""
+        deadline = self.stall_deadline()
+        if block:
+            job.wait(max(0.0, deadline - (time.perf_counter() - job.t0)))
+        if job.done():
+            return True
+        if not block and time.perf_counter() - job.t0 <= deadline:
+            return False
+        self._publishing = None
+        what = f"{STALLED}: the commit and replication of step {job.step} did not finish within {deadline:.1f}s"
+        raise self._stalled(job.step, what)
 
     def before_optimizer_step(self) -> float:
         """The optimizer is about to change the weights in place: a thread writer still copying
@@ -294,26 +409,34 @@ class PerRankCheckpoints:
         """Leaving without publishing (an exception unwinds the loop): stop a fork writer; give
         a publish in flight the replication timeout to end (a lost peer fails it sooner)."""
         if self._inflight is not None and self._inflight["write"] is not None:
-            self._inflight["write"].kill()
+            self._inflight["write"].kill(wait_s=min(5.0, self.stall_deadline()))
         self._inflight = None
         if self._publishing is not None:
-            self._publishing.wait(self.cfg.checkpoint.replication.timeout_s)
+            self._publishing.wait(min(self.cfg.checkpoint.replication.timeout_s, self.stall_deadline()))
         self._publishing = None
 
     def finish_publishing(self) -> None:
         """Wait until a background publish is over: before a synchronous save (the same
         replication group; retention) or before moving steps out of the stores. Its outcome
-        stays for :meth:`poll_async` to hand to the trainer, which reports it."""
-        if self._publishing is not None:
-            self._publishing.wait(None)
+        stays for :meth:`poll_async` to hand to the trainer, which reports it. A publish that
+        does not end within the stall deadline marks the tier stalled (poll_async reports it)."""
+        job = self._publishing
+        if job is not None:
+            job.wait(max(0.0, self.stall_deadline() - (time.perf_counter() - job.t0)))
+            if not job.done() and self.health.mark_stalled(f"{STALLED}: the publish of step {job.step} hangs"):
+                self._report_stall(f"the commit and replication of step {job.step} did not finish in time")
 
     def _async_mode(self) -> str:
         mode = self.cfg.checkpoint.async_.mode
-        # auto is thread: a GPU process must not fork; on CPU its snapshot overlaps the next
-        # forward/backward (bench: 3.8 ms blocked per 305 MB save vs 27 ms for fork, whose
-        # copy-on-write faults then slow the next step too), and in-process restarts keep its
-        # copy as the host copy. fork stays for isolation (a writer that can be SIGKILLed).
-        return "thread" if mode == "auto" else mode
+        if mode != "auto":
+            return mode
+        # auto is fork on CPU: a write stuck in a stalled file system (uninterruptible in the
+        # kernel) is then its own process, which never keeps the rank from exiting; a thread stuck
+        # there would (docs/checkpoints.md, "Stalled storage"). Measured cost: 27 ms blocked per
+        # 305 MB save vs 3.8 ms for thread, the same training time per save within noise (bench:
+        # fork 0.89 s [0.52-1.20], thread 1.14 s [0.89-1.17]). Thread where a process must not
+        # fork (CUDA initialised) and where in-process restarts keep the writer's copy as the host copy.
+        return "thread" if torch.cuda.is_initialized() or self._keep_host_copy else "fork"
 
     def _publish(
         self,
@@ -400,7 +523,11 @@ class PerRankCheckpoints:
         return [f"{self.node}:{self.node_root}: {', '.join(held)}"] if held else []
 
     def plan_restore(self) -> PeerPlanResult:
-        """Collective: find (and fetch, if needed) the newest step every rank can obtain."""
+        """Collective: find (and fetch, if needed) the newest step every rank can obtain; nothing
+        (the restore falls back) when any rank's tier-1 storage is stalled."""
+        if not self.agree_healthy():
+            why = self.health.reason or "another rank's tier-1 storage is stalled"
+            return PeerPlanResult(None, rejected=[f"{TIERS_SKIPPED}: {why}"])
         return self.recovery.recover()
 
     def load(self, restore: PeerRestore, state: TrainingState) -> None:
@@ -532,9 +659,10 @@ def _refuse_shared_node_names(source: str, rows: list[tuple[str, tuple[str, str]
 class _PublishInFlight:
     """A background save's commit, replication and retention, on its own thread."""
 
-    def __init__(self, step: int, publish: Any, host_copy: dict[str, Any] | None) -> None:
+    def __init__(self, step: int, publish: Any, host_copy: dict[str, Any] | None, t0: float) -> None:
         self.step = step
         self.host_copy = host_copy
+        self.t0 = t0  # time.perf_counter() the save started (its deadline counts from there)
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(publish,), name=f"publish-{step}", daemon=True)

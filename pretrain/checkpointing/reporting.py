@@ -5,11 +5,13 @@ that ``checkpoint.on_save_error: stop`` turns a failed save into the job's failu
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from pretrain.checkpointing.memory_tier import TierDisabled
 from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tier import TierSet
+from pretrain.checkpointing.tier_health import STALLED, TierStalled
 from pretrain.observability.metrics import TrainingMetrics
 from pretrain.observability.runlog import RunLog
 from pretrain.resilience.attempts import AttemptLog
@@ -23,10 +25,13 @@ _DISK_FULL = ("disk full", "no space left on device", "disk quota exceeded")
 
 
 def failure_reason(exc: BaseException) -> str:
-    """``disk_full``, ``timeout`` or ``error``: the ``reason`` of ``checkpoint_save_failures_total``."""
+    """``disk_full``, ``stalled``, ``timeout`` or ``error``: the ``reason`` of
+    ``checkpoint_save_failures_total``."""
     text = str(exc).lower()
     if isinstance(exc, DiskFull) or any(marker in text for marker in _DISK_FULL):
         return "disk_full"
+    if isinstance(exc, TierStalled) or re.search(rf"\b{STALLED}\b", text):
+        return STALLED
     if "timed out" in text or "deadline" in text:
         return "timeout"
     return "error"
@@ -46,6 +51,7 @@ class SaveReport:
 
     def saved(self, saved: SaveResult, current_step: int) -> None:
         self.tiers.committed(saved.step)
+        self.metrics.tier_healthy(saved.tier, True)
         self.metrics.saved(saved.tier, saved.seconds)
         fields = ("tier", "step", "seconds", "blocked_seconds", "bytes", "replication_seconds", "under_replicated")
         # Tier 0 saves every step or so: its event is not fsynced (the next one supersedes it).
@@ -71,6 +77,13 @@ class SaveReport:
         next interval tries again) unless checkpoint.on_save_error is stop. Tier 0 turning itself
         off (a full tmpfs) is one warning and a metric, and never stops the job."""
         reason = failure_reason(exc)
+        if reason == STALLED:
+            self.metrics.tier_healthy(tier, False)
+        if isinstance(exc, TierStalled):  # skipped while stalled: the stall itself was reported
+            log.debug("%s", exc)
+            self.runlog.event("save_skipped", tier=tier, step=step, reason=reason, error=str(exc))
+            self.metrics.save_skipped(tier)
+            return
         if isinstance(exc, TierDisabled):
             if self.rank == 0:
                 log.warning("%s", exc)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.checkpointing.memory_tier import MemoryTier
-from pretrain.checkpointing.per_rank import PerRankCheckpoints, build_per_rank_checkpoints
+from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
@@ -123,7 +123,7 @@ class TieredCheckpointer:
         moved: list[str] = []
         if self.memory is not None:
             self.memory.invalidate_step(step)
-        if self.local is not None:
+        if self._local_answers():
             self.local.finish_publishing()  # its retention must not race the moves below
             stores = self.local.stores()
             moved += [str(p) for p in (store.quarantine(step, reason) for store in stores) if p]
@@ -139,6 +139,11 @@ class TieredCheckpointer:
     def _write_suspects(self, steps: set[int]) -> None:
         self._suspect_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self._suspect_path, json.dumps(sorted(steps)).encode())
+
+    def _local_answers(self) -> bool:
+        """Whether this rank may touch its tier-1 storage now (enabled, and not stalled: a
+        listing or rename there would block in the kernel for as long as it stalls)."""
+        return self.local is not None and self.local.health.healthy
 
     def prepare(self, state: TrainingState | None = None) -> None:
         """Clean what earlier attempts left; with ``state``, refuse a tmpfs too small for tier 0."""
@@ -196,7 +201,7 @@ class TieredCheckpointer:
     def _refuse_fresh_start(self) -> None:
         """Collective: raise FreshStartRefused on every rank if any tier holds committed steps of
         this run although no step could be obtained by every rank."""
-        where = self.local.committed_inventory() if self.local is not None else []
+        where = self.local.committed_inventory() if self._local_answers() else []
         if self.coll.rank == 0 and self.reshardable is not None:
             steps = self.reshardable.tier.committed_steps()
             if steps:
@@ -230,7 +235,7 @@ class TieredCheckpointer:
             for slot in self.memory.invalidate_newer(step):
                 log.warning("rank %d: tier-0 slot %d %s", self.coll.rank, slot, reason)
         stores = []
-        if self.local is not None:
+        if self._local_answers():
             stores = self.local.stores()
         if self.reshardable is not None and self.coll.rank == 0:
             stores.append(self.reshardable.tier)
@@ -259,6 +264,7 @@ class TieredCheckpointer:
                 log.warning(notes[-1])
         if plan is not None:
             self._unusable.extend(plan.rejected)
+            notes += [r for r in plan.rejected if r.startswith(TIERS_SKIPPED)]  # stalled storage
         peer = plan.restore if plan is not None else None
         newest_reshardable = self.reshardable.newest_committed() if self.reshardable is not None else None
         from_s3 = self._fetch_from_s3(max(peer.step if peer else -1, newest_reshardable or -1), notes)
@@ -285,7 +291,8 @@ class TieredCheckpointer:
         """Collective: the newest committed, unsuspected step in any rank's tier 1 or in the
         reshardable tier (-1 for none): tier 0 is used only when it holds that step or a newer one."""
         suspects = self.suspect_steps()
-        newest = [s for s in self.local.store.committed_steps() if s not in suspects][:1] if self.local else []
+        mine = self.local.store.committed_steps() if self._local_answers() else []
+        newest = [s for s in mine if s not in suspects][:1]
         if self.reshardable is not None:
             newest.append(self.reshardable.newest_committed() or -1)
         return max(self.coll.all_gather(max(newest, default=-1)))
@@ -330,8 +337,9 @@ class TieredCheckpointer:
         tier-1 step in memory; if no tier has anything newer on disk, load it without any read."""
         if self.local is None:
             return None
-        mine = self.local.host_copy_step()
-        newest = self.local.store.committed_steps()[:1]
+        answers = self._local_answers()
+        mine = self.local.host_copy_step() if answers else None
+        newest = self.local.store.committed_steps()[:1] if answers else []
         if self.reshardable is not None:
             newest.append(self.reshardable.newest_committed() or -1)
         on_disk = max(newest, default=-1)

@@ -99,7 +99,7 @@ def _typed(specs: list[str]) -> MeasuredCosts:
 
 
 def _writer_mode(cfg: Config | None) -> str:
-    """The tier-1 writer mode whose bench figure applies (auto is thread: pretrain/config)."""
+    """The tier-1 writer mode whose bench figure applies (auto is thread on the GPU hosts a plan is for)."""
     mode = cfg.checkpoint.async_.mode if cfg is not None else "auto"
     return "thread" if mode == "auto" else mode
 

@@ -30,6 +30,7 @@ from pretrain.soak.runner import (
 )
 from pretrain.soak.schedule import (
     KINDS,
+    STORAGE_KINDS,
     PlannedFault,
     SoakRequestError,
     Survivability,
@@ -38,18 +39,20 @@ from pretrain.soak.schedule import (
     draw_schedule,
     parse_kinds,
 )
+from pretrain.soak.storage import fuse_missing
 from pretrain.soak.timeline import plot_timeline
 
 # A restart of the tiny CPU job on a 2-core machine, by what the fault hits: after a rank or node
 # fault the launcher restarts the group as forks of its standby process (fault -> next step
 # 0.5-1 s); a job-level fault starts the launcher and its standby process again (their imports:
 # 3-4 s). An MTTI below that means faults would arrive faster than the job can recover.
-RESTART_S = {"rank": 1.0, "node": 1.0, "job": 4.0}
+RESTART_S = {"rank": 1.0, "node": 1.0, "job": 4.0, "storage": 0.0}  # a storage fault restarts nothing
 
 
-def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, Any]:
+def second_resume(runner: SoakRunner, steps: int, base_dir: Path, restarted: bool = True) -> dict[str, Any]:
     """One more restart after the soak's run ended: it must restore the last step (written by an
-    attempt that was itself restored) with its data position, and go on bit-equal to the baseline."""
+    attempt that was itself restored, when a fault of the run restarted it: ``restarted``; storage
+    faults alone restart nothing) with its data position, and go on bit-equal to the baseline."""
     faulted = runner.run_dir("faulted")
     before = {a["id"] for a in read_attempts(faulted)}
     times = runner.plain_run("faulted", steps + SECOND_RESUME_STEPS, "second-resume.log")
@@ -64,7 +67,7 @@ def second_resume(runner: SoakRunner, steps: int, base_dir: Path) -> dict[str, A
     passed = (
         times.rc == 0
         and restored == steps
-        and writer.get("restored") is not None
+        and (writer.get("restored") is not None or not restarted)
         and position_ok
         and not differ
         and len(rows) == SECOND_RESUME_STEPS
@@ -129,7 +132,13 @@ def run_soak(
     kinds = parse_kinds(kinds_spec)
     runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps, data=check_data(data)))
     cfg = runner.loaded()
-    can = Survivability(cfg.checkpoint.replication.factor >= 2, max(RESTART_S[KINDS[k].target] for k in kinds))
+    can = Survivability(
+        cfg.checkpoint.replication.factor >= 2,
+        max(RESTART_S[KINDS[k].target] for k in kinds),
+        background_saves=cfg.checkpoint.async_.enabled,
+        writer_process=cfg.checkpoint.async_.mode != "thread",  # auto is a writer process on CPU
+        cannot_mount=fuse_missing() if set(kinds) & set(STORAGE_KINDS) else None,
+    )
     check_request(kinds, faults, mtti, can, mtti_steps)
     in_steps = mtti_steps is not None
     schedule = draw_schedule(kinds, faults, mtti_steps or mtti, ranks=runner.s.nproc, seed=seed, in_steps=in_steps)
@@ -139,8 +148,14 @@ def run_soak(
         shutil.rmtree(work)
     work.mkdir(parents=True)
     runner.prepare_data()
-    base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
-    resume = second_resume(runner, steps, runner.run_dir("baseline"))
+    try:
+        if set(kinds) & set(STORAGE_KINDS):
+            runner.setup_storage()  # the faulted run's tier 1, kept for the second resume
+        base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
+        restarted = any(KINDS[p.kind].target != "storage" for p in schedule)
+        resume = second_resume(runner, steps, runner.run_dir("baseline"), restarted)
+    finally:
+        runner.teardown_storage()
     report = build_report(
         runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume
     )

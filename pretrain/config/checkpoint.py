@@ -18,9 +18,18 @@ class LocalTierConfig:
     interval: int = 10  # steps between saves
     keep: int = 3  # newest verified steps kept per rank
     enabled: bool = True  # save and restore tiers 1-2
+    # Seconds a tier-1 save (write, commit, replication) or the start-of-attempt probe may take
+    # before the tier's storage counts as stalled (skipped, reported, probed until it answers).
+    # None: max(60, 10 x the slowest tier-1 save of this attempt).
+    stall_timeout_s: float | None = None
+    probe_interval_s: float = 30.0  # while stalled: seconds between probes (each in its own process)
 
     def check(self, fail: Fail) -> None:
         positive(fail, interval=self.interval, keep=self.keep)
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            fail("stall_timeout_s", "must be > 0", "give seconds, or leave it unset for the measured default")
+        if self.probe_interval_s <= 0:
+            fail("probe_interval_s", "must be > 0", "give seconds between probes of a stalled tier")
 
 
 @dataclass
@@ -93,7 +102,9 @@ class AsyncSaveConfig:
     enabled: bool = True  # background saves (False: every save blocks training)
     # thread: the writer thread copies the state into reusable host buffers (pinned on GPU)
     # while the next forward/backward runs, then writes; fork: copy-on-write snapshot by
-    # os.fork (CPU only: forking a CUDA process is unsafe); auto: thread.
+    # os.fork (CPU only: forking a CUDA process is unsafe); auto: fork on CPU (a write stuck in a
+    # stalled file system is then its own process, never a thread that keeps the rank from
+    # exiting), thread on GPU and when in-process restarts keep the writer's copy.
     mode: Literal["auto", "fork", "thread"] = "auto"
     max_in_flight: int = 1  # per tier
     # A save due while one is in flight: wait for it, or skip this one (logged and counted).

@@ -72,8 +72,14 @@ class TrainingMetrics(Collector):
         )  # fmt: skip
         self._save_failures = Counter(
             "checkpoint_save_failures",
-            "Checkpoint saves that were not published, by reason (disk_full, timeout, error)",
+            "Checkpoint saves that were not published, by reason (disk_full, stalled, timeout, error)",
             [*tier, "reason"],
+            registry=r,
+        )
+        self._tier_healthy = Gauge(
+            "checkpoint_tier_healthy",
+            "1 while a tier's storage answers, 0 once a save there passed its stall deadline (until it answers again)",
+            tier,
             registry=r,
         )
         self._save_skips = Counter(
@@ -169,6 +175,9 @@ class TrainingMetrics(Collector):
 
     def save_failed(self, tier: str, reason: str = "error") -> None:
         self._save_failures.labels(self.run_id, tier, reason).inc()
+
+    def tier_healthy(self, tier: str, healthy: bool) -> None:
+        self._tier_healthy.labels(self.run_id, tier).set(1 if healthy else 0)
 
     def save_skipped(self, tier: str, count: int = 1) -> None:
         self._save_skips.labels(self.run_id, tier).inc(count)

@@ -7,6 +7,9 @@ holding the GIL) go through the trainer's own hook: a file ``rank-N`` in
 ``fault_tolerance.inject.trigger_dir`` that the rank reads at the start of its next step
 (``pretrain.resilience.faults``). Job-level kinds (the launcher killed, a preemption) are carried out
 here up to the launcher's exit; starting the job again is the runner's (as Slurm's requeue would).
+The storage kinds act on tier 1's file system, not on a process (:mod:`pretrain.soak.storage`):
+``blocked-write`` closes the gated mount's gate, ``full-disk`` fills its tmpfs; :func:`release`
+undoes them once the job recorded the fault.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from pretrain.soak.storage import StorageFaults
 from tiering.fsio import atomic_write_bytes
 
 STEP_GLOB = "step-*"
@@ -96,8 +100,12 @@ def inject(
     local_root: Path,
     index: int,
     now: float,
+    storage: StorageFaults | None = None,
 ) -> Injected:
-    """Do fault ``kind`` to ``rank`` of the live attempt (or to its node or the whole job)."""
+    """Do fault ``kind`` to ``rank`` of the live attempt (or to its node, the whole job, or tier 1's
+    storage, which ``storage`` holds for the storage kinds)."""
+    if kind in ("blocked-write", "full-disk"):
+        return _storage_fault(kind, live, storage, now)
     one = [live.pids[rank]]
     if kind == "kill-rank":
         _signal(one, signal.SIGKILL)
@@ -127,3 +135,23 @@ def inject(
         launcher.send_signal(signal.SIGTERM)  # as Kubernetes and Slurm stop a job: the launcher first
         return Injected(now, sorted(live.pids), [launcher.pid], {"launcher": launcher.pid})
     raise ValueError(f"unknown fault kind {kind!r}")  # schedule.parse_kinds refuses these first
+
+
+def _storage_fault(kind: str, live: LiveRanks, storage: StorageFaults | None, now: float) -> Injected:
+    if storage is None or storage.mount is None or storage.volume is None:
+        raise ValueError(f"fault kind {kind!r} needs tier 1 on the soak's storage mount")  # the runner sets it up
+    if kind == "blocked-write":
+        storage.mount.close()
+        return Injected(now, sorted(live.pids), [], {"gate": str(storage.mount.gate)})
+    filled = storage.volume.fill()
+    return Injected(now, sorted(live.pids), [], {"filled_bytes": filled})
+
+
+def release(kind: str, storage: StorageFaults | None) -> None:
+    """Undo a storage fault (the gate opened, the filling file deleted); nothing for other kinds."""
+    if storage is None or storage.mount is None or storage.volume is None:
+        return
+    if kind == "blocked-write":
+        storage.mount.open()
+    elif kind == "full-disk":
+        storage.volume.free()

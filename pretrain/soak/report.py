@@ -10,6 +10,11 @@ detection (every process of the hit attempt gone), fault -> next step (the first
 attempt finished), the restored tier and step, and the lost steps. Headline: recovery-success rate,
 every logged loss (recomputed steps included) bit-equal to the baseline, time to N steps against
 the baseline, per kind detection and fault -> next step (median, p95), lost steps, goodput.
+
+A storage kind (``blocked-write``, ``full-disk``) ends no attempt: its row is judged by the event
+the job recorded it with (a tier-1 save failed or skipped, whose ``reason`` must be the kind's
+``expect``), its detection is fault -> that event, its "next step" is fault -> tier 1 saving again
+after the fault was released (the recovery), and it loses no step.
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ def _fault_row(
 ) -> dict[str, Any]:
     kind = KINDS[event.plan.kind]
     t = event.injected.time
+    if kind.target == "storage":
+        return _storage_row(event, t0)
     hit = next((a for a in attempts if a.get("id") == event.attempt), {})
     later = [a for a in attempts if (a.get("started_at") or 0) > t and a.get("first_step") is not None]
     nxt = later[0] if later else {}
@@ -112,6 +119,33 @@ def _fault_row(
         flipped = event.injected.detail["step"]
         row["flipped_copy_rejected"] = any(r.get("step") == flipped for r in restore.get("rejected", []))
     return row
+
+
+def _storage_row(event: FaultEvent, t0: float) -> dict[str, Any]:
+    """A storage fault's row (see the module docstring): same columns as a process fault's."""
+    kind, t, rec = KINDS[event.plan.kind], event.injected.time, event.recorded or {}
+    got = str(rec.get("reason")) if rec else "not recorded"
+    return {
+        "index": event.plan.index + 1,
+        "kind": event.plan.kind,
+        "ranks": sorted(event.injected.ranks),
+        "at_s": round(t - t0, 3),
+        "gap_s": event.plan.gap_s,
+        "gap_steps": event.plan.gap_steps,
+        "attempt_hit": event.attempt,
+        "recorded_class": got,
+        "expected_class": kind.expect,
+        "recorded_ranks": sorted(event.injected.ranks) if rec else [],
+        "record_matches": got == kind.expect,
+        "evidence": f"{rec.get('event')} of step {rec.get('step')}: {rec.get('error')}" if rec else None,
+        "detection_s": round(event.gone_at - t, 3) if event.gone_at else None,
+        "fault_to_next_step_s": round(event.recovered_at - t, 3) if event.recovered_at else None,
+        "recovered": event.recovered_at is not None,
+        "breakdown_s": None,
+        "restored": None,
+        "lost_steps": 0,
+        "detail": event.injected.detail,
+    }
 
 
 def recovery_breakdown(

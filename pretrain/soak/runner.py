@@ -3,7 +3,10 @@ injected from outside, and one more restart after it (the second resume).
 
 Owns processes and waiting: launching and relaunching the job (after a job-level fault, the way
 Slurm's requeue would start it again), waiting for each recovery before the next gap starts, and
-collecting what happened into :class:`FaultEvent` rows. It never judges the outcome: the report
+collecting what happened into :class:`FaultEvent` rows. For the storage kinds it also puts the
+faulted run's tier 1 on the soak's storage mount (:meth:`SoakRunner.setup_storage`, torn down by
+:meth:`SoakRunner.teardown_storage`), waits for the job to record the fault, releases it and waits
+for tier 1 to save again (the job never stops for them). It never judges the outcome: the report
 (``pretrain.soak.report``) reads the run's own records for that. Called by ``pretrain soak``.
 """
 
@@ -28,8 +31,9 @@ from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import Config, load_config
 from pretrain.observability.runlog import read_jsonl
 from pretrain.resilience.phases import read_phases
-from pretrain.soak.inject import Injected, LiveRanks, inject, kill_tree
+from pretrain.soak.inject import Injected, LiveRanks, inject, kill_tree, release
 from pretrain.soak.schedule import KINDS, PlannedFault
+from pretrain.soak.storage import StorageFaults
 
 REPO = Path(__file__).resolve().parents[2]
 FT_CONFIG = REPO / "configs" / "ft-cpu-sections.yaml"  # hangs found within a few step times
@@ -38,6 +42,11 @@ POLL_S = 0.05
 SECOND_RESUME_STEPS = 3  # steps the extra restart trains after the soak's run ended (its restore is the point)
 JOB_TIMEOUT_S = 1800.0
 END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a step to fire in
+# Storage kinds: tier 1 on a tmpfs this small (the tiny job keeps ~64 MB there), and a stall
+# deadline and probe interval that let a stall be recorded and cleared within seconds. 3 s was too
+# tight: a save plus its replication took over 3 s on a loaded 2-core machine (a false stall).
+TIER1_VOLUME_MB = 160
+STORAGE_SETTINGS = {"checkpoint.local.stall_timeout_s": 8.0, "checkpoint.local.probe_interval_s": 1.0}
 
 
 @dataclass
@@ -58,8 +67,10 @@ class FaultEvent:
     attempt: str
     injected: Injected
     attempt_pids: list[int]  # every rank process of the hit attempt
-    gone_at: float | None = None  # every process of the hit attempt had exited (detected, torn down)
+    gone_at: float | None = None  # every process of the hit attempt had exited (storage kinds: the job recorded it)
     relaunched_at: float | None = None  # job-level kinds: the job started again
+    recorded: dict[str, Any] | None = None  # storage kinds: the event the job recorded the fault with
+    recovered_at: float | None = None  # storage kinds: tier 1 saved again after the fault was released
 
 
 @dataclass
@@ -108,6 +119,18 @@ class SoakRunner:
         self.s = settings
         self.work = settings.workdir
         self.total_steps = settings.steps + SECOND_RESUME_STEPS
+        self.storage: StorageFaults | None = None
+        self.storage_settings: dict[str, Any] = {}
+
+    def setup_storage(self) -> None:
+        """The faulted run's tier 1 on the storage mount (the storage kinds); call teardown_storage."""
+        self.storage_settings = dict(STORAGE_SETTINGS)
+        root = self.run_root("faulted")
+        self.storage = StorageFaults(root, root / "ckpt-local", TIER1_VOLUME_MB)
+
+    def teardown_storage(self) -> None:
+        if self.storage is not None:
+            self.storage.stop()
 
     # -- configuration --------------------------------------------------------------------------
     def run_root(self, name: str) -> Path:
@@ -130,6 +153,7 @@ class SoakRunner:
             # one machine stands for every node here: the replica shares its failure domain
             "checkpoint.replication.allow_same_domain": "true",
             "fault_tolerance.inject.trigger_dir": root / "triggers",
+            **self.storage_settings,
         }
         items = [f"{k}={v}" for k, v in settings.items()] + list(self.s.overrides)
         cfg = load_config(self.s.config, items)
@@ -195,10 +219,13 @@ class SoakRunner:
                 assert launcher is not None
                 done = inject(
                     plan.kind, plan.rank, live, launcher, self.run_root(name) / "triggers", local_root,
-                    plan.index, time.time(),
+                    plan.index, time.time(), self.storage,
                 )  # fmt: skip
                 event = FaultEvent(plan, live.attempt, done, sorted(live.pids.values()))
                 events.append(event)
+                if KINDS[plan.kind].target == "storage":  # the job goes on: no new attempt to wait for
+                    self._storage_recovery(job, event)
+                    continue
                 hit = live.attempt
                 if KINDS[plan.kind].target == "job":
                     job.wait(JOB_TIMEOUT_S)
@@ -211,6 +238,37 @@ class SoakRunner:
         finally:
             job.close()
         return RunTimes(t0, time.time(), rc), events, stopped
+
+    def _storage_recovery(self, job: Job, event: FaultEvent) -> None:
+        """A storage fault: wait until the job records it (a tier-1 save failed or skipped with the
+        kind's reason), release it, and wait until tier 1 saves again (or the job ends)."""
+        kind, t = KINDS[event.plan.kind], event.injected.time
+        try:
+            event.recorded = self._wait_event(
+                job, lambda e: e.get("tier") == "local" and e.get("reason") == kind.expect and e["time"] > t
+            )
+            event.gone_at = event.recorded["time"] if event.recorded else None
+        finally:
+            release(event.plan.kind, self.storage)
+        released = time.time()
+        saved = self._wait_event(
+            job, lambda e: e["event"] == "save" and e.get("tier") == "local" and e["time"] > released
+        )
+        event.recovered_at = saved["time"] if saved else None
+
+    def _wait_event(self, job: Job, match: Any) -> dict[str, Any] | None:
+        """The first event of the faulted run that ``match`` accepts; None if the job ended first."""
+        path = self.run_dir("faulted") / "events.jsonl"
+        deadline = time.time() + JOB_TIMEOUT_S
+        while time.time() < deadline:
+            found = next((e for e in read_jsonl(path) if match(e)), None) if path.exists() else None
+            if found is not None:
+                return found
+            assert job.proc is not None
+            if job.proc.poll() is not None:
+                return None
+            time.sleep(POLL_S)
+        return None
 
     def _last_step(self) -> int:
         rows = read_metrics(self.run_dir("faulted"))

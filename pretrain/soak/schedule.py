@@ -3,7 +3,9 @@
 Pure logic, no I/O. Building blocks:
 
 * :data:`KINDS`: every fault kind the soak injects, each a :class:`Kind` saying what it hits (one
-  rank, a node, the whole job) and how the attempt record must name it (``expect``);
+  rank, a node, the whole job, or tier 1's storage) and how the records must name it (``expect``:
+  the attempt record's class; for a storage kind the ``reason`` of the failed tier-1 save, since
+  the job does not stop);
 * :func:`draw_schedule`: N faults drawn by one seeded generator: the kinds cycle through the
   requested ones in a shuffled order (every kind appears once before any repeats), each fault's rank
   is drawn uniformly, and its gap after the previous recovery is exponential with mean MTTI (a
@@ -11,8 +13,8 @@ Pure logic, no I/O. Building blocks:
   controller draw them), in seconds, or in steps trained (``--mtti-steps``: where each fault lands
   then does not depend on how fast the machine trains, which a short CI soak needs);
 * :func:`check_request`, :func:`check_fits`: bad input refused in one line each (an unknown kind,
-  an MTTI shorter than a restart, a kind the configuration cannot survive, faults paced by steps
-  that cannot all land before the run's last step).
+  an MTTI shorter than a restart, a kind the configuration cannot survive or this machine cannot
+  inject, faults paced by steps that cannot all land before the run's last step).
 
 ``pretrain.soak.inject`` turns a :class:`PlannedFault` into signals and trigger files;
 ``pretrain.soak.runner`` waits for each recovery before the next gap starts.
@@ -33,7 +35,7 @@ class SoakRequestError(PretrainError):
 @dataclass(frozen=True)
 class Kind:
     name: str
-    target: str  # "rank", "node" or "job": what the fault hits
+    target: str  # "rank", "node", "job" or "storage" (tier 1's file system): what the fault hits
     expect: str  # the class the attempt record must give it (see pretrain.soak.report.recorded_class)
     help: str
 
@@ -50,8 +52,16 @@ KINDS: dict[str, Kind] = {
         Kind("gil", "rank", "hang", "a thread in one rank holds the GIL forever"),
         Kind("corrupt-kill", "rank", "killed", "a byte flipped in the rank's newest committed step, then SIGKILL"),
         Kind("sigterm", "job", "preempted", "SIGTERM to the launcher (a preemption), then the job started again"),
+        Kind(
+            "blocked-write",
+            "storage",
+            "stalled",
+            "tier 1's writes block in the kernel (a FUSE mount's gate closed) until the job records the stall",
+        ),
+        Kind("full-disk", "storage", "disk_full", "tier 1's tmpfs filled from outside until a save fails, then freed"),
     )
 }
+STORAGE_KINDS = [k.name for k in KINDS.values() if k.target == "storage"]
 
 
 # Steps a job may train between the moment a fault is due and the moment it acts: the runner polls
@@ -74,6 +84,9 @@ class Survivability:
 
     replicated: bool  # tier-1 steps have a copy on another node (checkpoint.replication.factor >= 2)
     restart_s: float  # how long a restart takes (launcher detection + start-up + restore), estimated
+    background_saves: bool = True  # checkpoint.async.enabled: only a background save has a stall deadline
+    writer_process: bool = True  # the tier-1 writer is a process (async.mode auto/fork on CPU), not a thread
+    cannot_mount: str | None = None  # why tier 1 cannot be put on a gated FUSE mount over a tmpfs here
 
 
 def parse_kinds(spec: str | None) -> list[str]:
@@ -104,6 +117,7 @@ def check_request(
             f"soak: --mtti {mtti_s:g}s is shorter than a restart (~{can.restart_s:g}s): faults would arrive faster "
             f"than recovery; fix: pass --mtti {can.restart_s:g} or more"
         )
+    _check_storage_kinds(kinds, can)
     if not can.replicated:
         lost = [k for k in kinds if KINDS[k].target in ("node", "job")]
         if lost:
@@ -112,6 +126,31 @@ def check_request(
                 "(checkpoint.replication.factor < 2: no copy of a node's tier-1 steps elsewhere); fix: set "
                 "checkpoint.replication.factor: 2 or leave those kinds out of --kinds"
             )
+
+
+def _check_storage_kinds(kinds: list[str], can: Survivability) -> None:
+    storage = [k for k in kinds if k in STORAGE_KINDS]
+    if not storage:
+        return
+    named = ", ".join(storage)
+    if can.cannot_mount is not None:
+        raise SoakRequestError(
+            f"soak: kinds {named} put tier 1 on a gated FUSE mount over a small tmpfs, which cannot be made here "
+            f"({can.cannot_mount}); fix: run the soak as root with /dev/fuse and fusepy, or leave those kinds out "
+            "of --kinds"
+        )
+    if "blocked-write" in storage and not can.background_saves:
+        raise SoakRequestError(
+            "soak: kind blocked-write cannot be survived with checkpoint.async.enabled: false (a synchronous "
+            "tier-1 save has no stall deadline: training would wait in the kernel); fix: set "
+            "checkpoint.async.enabled: true or leave blocked-write out of --kinds"
+        )
+    if "blocked-write" in storage and not can.writer_process:
+        raise SoakRequestError(
+            "soak: kind blocked-write cannot be survived with a thread tier-1 writer (checkpoint.async.mode: thread: "
+            "a thread stuck in a stalled write keeps its rank from exiting at the next fault); fix: set "
+            "checkpoint.async.mode: auto or fork, or leave blocked-write out of --kinds"
+        )
 
 
 def check_fits(schedule: list[PlannedFault], steps: int, margin: int) -> None:

@@ -1,0 +1,180 @@
+"""End to end: a 2-rank job under ft_launcher whose tier-1 storage stops answering mid-run keeps
+training, reports the stall, takes tier 1 back once the storage answers, and trains bit for bit as
+a fault-free run does; nothing it started is left stuck.
+
+``checkpoint.local.dir`` is a real FUSE mount (``tests/gated_fs.py``) whose data writes block in
+the kernel while its gate is closed. The gate closes once step 3 trained (the save of step 5 then
+never returns) and opens once the job recorded the stall.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pretrain.commands.ft_command import ft_launcher_command
+from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, read_jsonl, torchrun
+
+pytest.importorskip("fuse", reason="fusepy missing: pip install -e '.[test]'")
+
+from pretrain.soak.storage import GatedMount  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+COMMON = {
+    "train.steps": 40,
+    "checkpoint.local.interval": 5,
+    "checkpoint.reshardable.interval": 20,
+    "checkpoint.local.stall_timeout_s": 3.0,
+    "checkpoint.local.probe_interval_s": 0.5,
+}
+
+
+def _wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes], limit_s: float) -> None:
+    end = time.monotonic() + limit_s
+    while not ready():
+        assert proc.poll() is None, f"the job ended before {what}"
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _trained_to(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return max((r.get("step", 0) for r in read_jsonl(path)), default=0) if path.exists() else 0
+
+
+def _stall_recorded(run: Path) -> bool:
+    path = run / "events.jsonl"
+    return path.exists() and any(e.get("reason") == "stalled" for e in read_jsonl(path))
+
+
+def _local_save_recorded(run: Path, step: int) -> bool:
+    path = run / "events.jsonl"
+    return path.exists() and any(
+        e["event"] == "save" and e.get("tier") == "local" and e.get("step") == step for e in read_jsonl(path)
+    )
+
+
+def _processes_with(env_entry: str) -> list[int]:
+    """Pids whose environment holds ``env_entry`` (this job's own TMPDIR: its ranks and writers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if env_entry.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_job_whose_tier_1_storage_stalls_keeps_training_bit_exact(tmp_path: Path, corpus: Path) -> None:
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
+    base = tmp_path / "baseline"
+    torchrun(base, 2, overrides_for(base, corpus, **COMMON))
+
+    job, run = tmp_path / "stall", tmp_path / "stall" / "runs" / "t"
+    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        overrides = overrides_for(job, corpus, **COMMON, **{"checkpoint.local.dir": str(mount.mountpoint)})
+        cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=overrides)
+        env = job_env(job)
+        with (job / "job.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
+            t0 = time.monotonic()
+            _wait_for("step 3", lambda: _trained_to(run) >= 3, proc, 60)
+            mount.close()
+            closed_at = _trained_to(run)
+            _wait_for("the stall to be recorded", lambda: _stall_recorded(run), proc, 30)
+            stalled_s = time.monotonic() - t0
+            mount.open()
+            assert proc.wait(timeout=60) == 0, (job / "job.log").read_text()[-4000:]
+        leftovers = _processes_with(f"TMPDIR={env['TMPDIR']}")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        mount.stop()
+
+    ev = events(run)
+    stalls = [e for e in ev if e["event"] == "save_failed" and e.get("reason") == "stalled"]
+    assert stalls and stalls[0]["tier"] == "local" and "stalled" in stalls[0]["error"], stalls
+    stalled_step = stalls[0]["step"]
+    assert closed_at < stalled_step + 5, "the save after the gate closed is the one that stalled"
+    later = [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local" and e["step"] > stalled_step]
+    assert later and later[-1] == 40, f"tier 1 came back once the storage answered: {later}"
+    assert len({e["attempt"] for e in ev if e["event"] == "start"}) == 1, "it kept training, no restart"
+    assert not leftovers, f"processes of the job still alive: {leftovers}"
+
+    b, r = metrics_by_step(base / "runs" / "t"), metrics_by_step(run)
+    assert sorted(b) == sorted(r) == list(range(1, 41))
+    for step in range(1, 41):
+        assert r[step]["loss"] == b[step]["loss"], f"loss differs at step {step}"
+        assert r[step]["grad_norm"] == b[step]["grad_norm"], f"grad norm differs at step {step}"
+    print(f"gate closed after step {closed_at}; stall recorded at step {stalled_step}, {stalled_s:.1f}s into the job")
+
+
+def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips_it(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """The gate closes once step 5 is published in tier 1 and never opens while the job runs: the
+    writers of step 10 stall in the kernel, rank 1 is SIGKILLed at step 25, ft_launcher restarts
+    the group although those writers are stuck, the new attempt's restore does not wait on tier 1
+    (reshardable step 20), and the job ends with the storage still stalled; the stuck writers exit
+    once it answers. (The gate closes between publishes: a commit or a received replica stuck in
+    the kernel is written on a thread of the rank, which then cannot exit: not solved yet, see
+    docs/checkpoints.md, "Stalled storage".)"""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
+    common = {**COMMON, "checkpoint.reshardable.interval": 10}
+    base = tmp_path / "baseline"
+    torchrun(base, 2, overrides_for(base, corpus, **common))
+
+    job, run = tmp_path / "stall", tmp_path / "stall" / "runs" / "t"
+    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        kill = {"fault_tolerance.inject.kill_rank": 1, "fault_tolerance.inject.kill_at_step": 25}
+        overrides = overrides_for(job, corpus, **common, **kill, **{"checkpoint.local.dir": str(mount.mountpoint)})
+        cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=overrides)
+        env = job_env(job)
+        with (job / "job.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
+            _wait_for("step 5 in tier 1", lambda: _local_save_recorded(run, 5), proc, 60)
+            mount.close()
+            assert proc.wait(timeout=90) == 0, (job / "job.log").read_text()[-4000:]
+        stuck = _processes_with(f"TMPDIR={env['TMPDIR']}")  # writers and probes, still in the kernel
+        mount.open()
+        deadline = time.monotonic() + 10
+        while _processes_with(f"TMPDIR={env['TMPDIR']}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = _processes_with(f"TMPDIR={env['TMPDIR']}")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        mount.stop()
+
+    ev = events(run)
+    attempts = sorted({e["attempt"] for e in ev if e["event"] == "start"})
+    assert len(attempts) == 2, "rank 1's SIGKILL restarted the group once"
+    restores = [e for e in ev if e["event"] == "restore"]
+    assert [(r["step"], r["tier"]) for r in restores] == [(20, "reshardable")], restores
+    assert any(n.startswith("tiers 1-2 skipped: stalled: a probe write") for n in restores[0]["notes"]), restores[0]
+    assert any(e["event"] == "save_failed" and e.get("reason") == "stalled" for e in ev)
+    assert not [e for e in ev if e["event"] == "save" and e["tier"] == "local" and e["attempt"] == attempts[1]]
+    assert stuck, "the first attempt's writer was still stuck in the kernel when the job ended"
+    assert not leftovers, f"processes of the job still alive after the storage answered: {leftovers}"
+
+    b, r = metrics_by_step(base / "runs" / "t"), metrics_by_step(run)
+    assert sorted(b) == sorted(r) == list(range(1, 41))
+    for step in range(1, 41):
+        assert r[step]["loss"] == b[step]["loss"], f"loss differs at step {step}"
+        assert r[step]["grad_norm"] == b[step]["grad_norm"], f"grad norm differs at step {step}"
