@@ -6,8 +6,9 @@ run restarts on 2 nodes) and a scale back up to 3, and is compared with an unint
    killed by their heartbeat timeout (``tests/cluster/ft-cluster.yaml``: 8 s) and wait in the
    rendezvous; the partitioned rank, blocked in a collective, commits no tier-1 step and sends no
    replica (every commit and replica needs its peers), and its own node's monitor kills it by the
-   same timeout: not one byte under any node's disk or the staging tier changes until the link heals. Node 1 then rejoins a new attempt, which restores
-   the newest step every rank committed before the partition.
+   same timeout: not one byte under any node's disk or the staging tier changes until the link
+   heals. Node 1 then rejoins a new attempt, which restores the newest step every rank committed
+   before the partition.
 2. Node loss with a replacement: node 2's link goes down, its processes are SIGKILLed, its disk is
    wiped; a replacement (new namespace, same hostname and node rank) comes up with a stale NVMe
    directory from another run. The job restores the newest step from the peer replicas, never the

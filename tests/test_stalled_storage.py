@@ -1,6 +1,6 @@
 """A stalled tier-1 file system never wedges the job (issue 30 part 5), in one process.
 
-Tier 1 lives on a real FUSE mount (``tests/gated_fs.py``) whose data writes block in the kernel
+Tier 1 lives on a real FUSE mount (``pretrain/soak/gated_fs.py``) whose data writes block in the kernel
 while its gate is closed, as a hung NFS/Lustre server's do. ``PerRankCheckpoints`` is built as a
 job builds it, on ``SingleProcess`` (see tests/test_restore_selection.py). Every mount is unmounted
 and its gate opened (freeing every blocked writer) by the fixture, even when a test fails. The

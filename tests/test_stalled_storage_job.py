@@ -2,7 +2,7 @@
 training, reports the stall, takes tier 1 back once the storage answers, and trains bit for bit as
 a fault-free run does; nothing it started is left stuck.
 
-``checkpoint.local.dir`` is a real FUSE mount (``tests/gated_fs.py``) whose data writes block in
+``checkpoint.local.dir`` is a real FUSE mount (``pretrain/soak/gated_fs.py``) whose data writes block in
 the kernel while its gate is closed. The gate closes once step 3 trained (the save of step 5 then
 never returns) and opens once the job recorded the stall.
 """

@@ -3,7 +3,7 @@
 Owns mounting, faulting and unmounting; never decides when (``pretrain.soak.runner``) or what the
 records must say (``pretrain.soak.report``). As root:
 
-* :class:`GatedMount`: the FUSE passthrough of ``tests/gated_fs.py`` (run as its own process from
+* :class:`GatedMount`: the FUSE passthrough of ``pretrain/soak/gated_fs.py`` (run as its own process from
   the repository: the file system is test code, not part of the library) whose data writes block
   in the kernel while its gate file exists, as a hung NFS/Lustre server's do. ``close()`` and
   ``open()`` the gate; ``stop()`` opens it (every blocked writer returns), unmounts and waits.
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FILESYSTEM = REPO / "tests" / "gated_fs.py"
 FILL_NAME = ".soak-fill"
 
 
@@ -36,8 +35,6 @@ def fuse_missing() -> str | None:
         return "mounting needs root"
     if not os.path.exists("/dev/fuse"):
         return "/dev/fuse is missing"
-    if not FILESYSTEM.is_file():
-        return f"{FILESYSTEM} is missing (a repository checkout has it)"
     try:
         import fuse  # noqa: F401 - only whether fusepy is installed
     except (ImportError, OSError) as exc:
@@ -54,7 +51,7 @@ class GatedMount:
         mountpoint.mkdir(parents=True, exist_ok=True)
         self.open()
         self._log = log.open("ab")
-        cmd = [sys.executable, "-m", "tests.gated_fs", str(backing), str(mountpoint), str(gate)]
+        cmd = [sys.executable, "-m", "pretrain.soak.gated_fs", str(backing), str(mountpoint), str(gate)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while not os.path.ismount(mountpoint):

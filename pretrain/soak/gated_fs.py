@@ -1,6 +1,7 @@
-"""A FUSE passthrough filesystem whose writes block while its gate is closed (tests only).
+"""A FUSE passthrough filesystem whose writes block while its gate is closed: the stalled storage of
+the soak's ``blocked-write`` kind and of the tests (a deliberate fault, like the others in ``pretrain/soak``).
 
-``python -m tests.gated_fs BACKING MOUNTPOINT GATE`` mounts ``BACKING`` at ``MOUNTPOINT`` (fusepy over
+``python -m pretrain.soak.gated_fs BACKING MOUNTPOINT GATE`` mounts ``BACKING`` at ``MOUNTPOINT`` (fusepy over
 libfuse2, foreground, multithreaded). Every call that writes data (write, fsync, truncate)
 first waits while the file ``GATE`` exists; lookups, metadata changes (create, mkdir, rename,
 unlink) and reads always answer. (Gating metadata too would hold the parent directory's lock in
@@ -10,7 +11,7 @@ while the gate is closed is stuck in the kernel as a real stalled NFS/Lustre wri
 file is removed.
 
 :class:`pretrain.soak.storage.GatedMount` starts and stops this daemon (tests and the soak's
-``blocked-write`` kind): the file system stays here, with the tests; only its handle is in the soak.
+``blocked-write`` kind). It needs fusepy (the ``test`` extra); the soak refuses the kind in one line without it.
 """
 
 from __future__ import annotations
