@@ -13,6 +13,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -39,6 +41,7 @@ def _gpu_check(tmp: Path, *args: str, timeout: int) -> tuple[subprocess.Complete
     return proc, json.loads(report.read_text())
 
 
+@pytest.mark.slow  # a job of a minute: make test runs it, make test-fast leaves it out
 def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
     proc, report = _gpu_check(tmp_path, "--cpu", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -22,6 +22,7 @@ STEPS = 52
 
 
 @pytest.mark.timeout(600)  # about 2 min on an idle 2-core machine (see the commit that set STEPS)
+@pytest.mark.slow  # a job of a minute: make test runs it, make test-fast leaves it out
 def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_path: Path, corpus: Path) -> None:
     work = tmp_path / "soak"
     cmd = [PYTHON, "-m", "pretrain", "soak", "--faults", "6", "--mtti-steps", "5", "--seed", "3"]
@@ -57,6 +58,7 @@ def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_pa
 
 
 @pytest.mark.timeout(300)  # about 25 s on an idle 2-core machine
+@pytest.mark.slow  # a job of a minute: make test runs it, make test-fast leaves it out
 def test_storage_faults_are_recorded_and_tier_1_comes_back_without_a_restart(tmp_path: Path, corpus: Path) -> None:
     """blocked-write (tier 1 on a FUSE mount whose writes block) and full-disk (its tmpfs filled
     from outside): the job records each with its reason, keeps training, saves tier 1 again once

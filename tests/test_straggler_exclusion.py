@@ -150,6 +150,7 @@ def _check_exclusion(run_dir: Path, throttled_at: int) -> int:
     return step
 
 
+@pytest.mark.slow  # a job of a minute: make test runs it, make test-fast leaves it out
 def test_a_node_slowed_from_outside_is_excluded_and_the_job_resumes_on_the_rest(tmp_path: Path, corpus: Path) -> None:
     base = tmp_path / "baseline"
     baseline = _start_baseline(base, corpus)
