@@ -9,11 +9,13 @@ never returns) and opens once the job recorded the stall.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,35 +75,54 @@ def _processes_with(env_entry: str) -> list[int]:
     return found
 
 
+def _assert_bit_equal(baseline_run: Path, run: Path) -> None:
+    b, r = metrics_by_step(baseline_run), metrics_by_step(run)
+    assert sorted(b) == sorted(r) == list(range(1, 41))
+    for step in range(1, 41):
+        assert r[step]["loss"] == b[step]["loss"], f"loss differs at step {step}"
+        assert r[step]["grad_norm"] == b[step]["grad_norm"], f"grad norm differs at step {step}"
+
+
+@contextlib.contextmanager
+def _job_on_gated_mount(
+    tmp_path: Path, corpus: Path, settings: dict[str, Any]
+) -> Iterator[tuple[subprocess.Popen[bytes], GatedMount, dict[str, str]]]:
+    """The 2-rank job under ft_launcher with ``checkpoint.local.dir`` on a gated FUSE mount (in
+    ``tmp_path/stall``); the job is killed and the mount stopped on the way out, whatever happened."""
+    job = tmp_path / "stall"
+    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        overrides = overrides_for(job, corpus, **settings, **{"checkpoint.local.dir": str(mount.mountpoint)})
+        cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=overrides)
+        env = job_env(job)
+        with (job / "job.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
+            yield proc, mount, env
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        mount.stop()
+
+
 def test_a_job_whose_tier_1_storage_stalls_keeps_training_bit_exact(tmp_path: Path, corpus: Path) -> None:
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
     base = tmp_path / "baseline"
     torchrun(base, 2, overrides_for(base, corpus, **COMMON))
 
-    job, run = tmp_path / "stall", tmp_path / "stall" / "runs" / "t"
-    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        overrides = overrides_for(job, corpus, **COMMON, **{"checkpoint.local.dir": str(mount.mountpoint)})
-        cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=overrides)
-        env = job_env(job)
-        with (job / "job.log").open("wb") as log:
-            proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
-            t0 = time.monotonic()
-            _wait_for("step 3", lambda: _trained_to(run) >= 3, proc, 60)
-            mount.close()
-            closed_at = _trained_to(run)
-            _wait_for("the stall to be recorded", lambda: _stall_recorded(run), proc, 30)
-            stalled_s = time.monotonic() - t0
-            mount.open()
-            assert proc.wait(timeout=60) == 0, (job / "job.log").read_text()[-4000:]
+    run = tmp_path / "stall" / "runs" / "t"
+    with _job_on_gated_mount(tmp_path, corpus, COMMON) as (proc, mount, env):
+        t0 = time.monotonic()
+        _wait_for("step 3", lambda: _trained_to(run) >= 3, proc, 60)
+        mount.close()
+        closed_at = _trained_to(run)
+        _wait_for("the stall to be recorded", lambda: _stall_recorded(run), proc, 30)
+        stalled_s = time.monotonic() - t0
+        mount.open()
+        assert proc.wait(timeout=60) == 0, (tmp_path / "stall" / "job.log").read_text()[-4000:]
         leftovers = _processes_with(f"TMPDIR={env['TMPDIR']}")
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        mount.stop()
 
     ev = events(run)
     stalls = [e for e in ev if e["event"] == "save_failed" and e.get("reason") == "stalled"]
@@ -113,11 +134,7 @@ def test_a_job_whose_tier_1_storage_stalls_keeps_training_bit_exact(tmp_path: Pa
     assert len({e["attempt"] for e in ev if e["event"] == "start"}) == 1, "it kept training, no restart"
     assert not leftovers, f"processes of the job still alive: {leftovers}"
 
-    b, r = metrics_by_step(base / "runs" / "t"), metrics_by_step(run)
-    assert sorted(b) == sorted(r) == list(range(1, 41))
-    for step in range(1, 41):
-        assert r[step]["loss"] == b[step]["loss"], f"loss differs at step {step}"
-        assert r[step]["grad_norm"] == b[step]["grad_norm"], f"grad norm differs at step {step}"
+    _assert_bit_equal(base / "runs" / "t", run)
     print(f"gate closed after step {closed_at}; stall recorded at step {stalled_step}, {stalled_s:.1f}s into the job")
 
 
@@ -137,30 +154,18 @@ def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips
     base = tmp_path / "baseline"
     torchrun(base, 2, overrides_for(base, corpus, **common))
 
-    job, run = tmp_path / "stall", tmp_path / "stall" / "runs" / "t"
-    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        kill = {"fault_tolerance.inject.kill_rank": 1, "fault_tolerance.inject.kill_at_step": 25}
-        overrides = overrides_for(job, corpus, **common, **kill, **{"checkpoint.local.dir": str(mount.mountpoint)})
-        cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=overrides)
-        env = job_env(job)
-        with (job / "job.log").open("wb") as log:
-            proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
-            _wait_for("step 5 in tier 1", lambda: _local_save_recorded(run, 5), proc, 60)
-            mount.close()
-            assert proc.wait(timeout=90) == 0, (job / "job.log").read_text()[-4000:]
+    run = tmp_path / "stall" / "runs" / "t"
+    kill = {"fault_tolerance.inject.kill_rank": 1, "fault_tolerance.inject.kill_at_step": 25}
+    with _job_on_gated_mount(tmp_path, corpus, {**common, **kill}) as (proc, mount, env):
+        _wait_for("step 5 in tier 1", lambda: _local_save_recorded(run, 5), proc, 60)
+        mount.close()
+        assert proc.wait(timeout=90) == 0, (tmp_path / "stall" / "job.log").read_text()[-4000:]
         stuck = _processes_with(f"TMPDIR={env['TMPDIR']}")  # writers and probes, still in the kernel
         mount.open()
         deadline = time.monotonic() + 10
         while _processes_with(f"TMPDIR={env['TMPDIR']}") and time.monotonic() < deadline:
             time.sleep(0.1)
         leftovers = _processes_with(f"TMPDIR={env['TMPDIR']}")
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        mount.stop()
 
     ev = events(run)
     attempts = sorted({e["attempt"] for e in ev if e["event"] == "start"})
@@ -173,8 +178,4 @@ def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips
     assert stuck, "the first attempt's writer was still stuck in the kernel when the job ended"
     assert not leftovers, f"processes of the job still alive after the storage answered: {leftovers}"
 
-    b, r = metrics_by_step(base / "runs" / "t"), metrics_by_step(run)
-    assert sorted(b) == sorted(r) == list(range(1, 41))
-    for step in range(1, 41):
-        assert r[step]["loss"] == b[step]["loss"], f"loss differs at step {step}"
-        assert r[step]["grad_norm"] == b[step]["grad_norm"], f"grad norm differs at step {step}"
+    _assert_bit_equal(base / "runs" / "t", run)

@@ -5,6 +5,7 @@ server, real clients (``python -m tests.standby_rank``), real signals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,6 +49,17 @@ def _gone(pid: int, within: float) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _client(env: dict[str, str], action: str) -> Iterator[subprocess.Popen[str]]:
+    """A client running ``action``, its output readable; killed on the way out."""
+    client = subprocess.Popen([*RANK, action], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        yield client
+    finally:
+        client.kill()
+        client.wait()
+
+
 def test_a_forked_rank_gets_the_clients_command_environment_directory_streams_and_exit_code(
     server_env: tuple[dict[str, str], psutil.Process], tmp_path: Path
 ) -> None:
@@ -71,15 +83,11 @@ def test_a_rank_that_dies_of_a_signal_ends_its_client_by_the_same_signal(
 
 def test_sigterm_to_the_client_is_handled_by_the_rank(server_env: tuple[dict[str, str], psutil.Process]) -> None:
     env, _ = server_env
-    client = subprocess.Popen([*RANK, "wait-term"], env=env, stdout=subprocess.PIPE, text=True)
-    try:
+    with _client(env, "wait-term") as client:
         assert client.stdout is not None and client.stdout.readline().startswith("ready")
         client.send_signal(signal.SIGTERM)
         out, _ = client.communicate(timeout=30)
         assert client.returncode == 0 and "terminated cleanly" in out
-    finally:
-        client.kill()
-        client.wait()
 
 
 def test_the_jobs_signals_to_every_process_end_the_rank_and_not_the_server(
@@ -87,8 +95,7 @@ def test_the_jobs_signals_to_every_process_end_the_rank_and_not_the_server(
 ) -> None:
     """Slurm's --signal and scancel signal every process of the step: the server too."""
     env, server = server_env
-    client = subprocess.Popen([*RANK, "wait-term"], env=env, stdout=subprocess.PIPE, text=True)
-    try:
+    with _client(env, "wait-term") as client:
         assert client.stdout is not None and client.stdout.readline().startswith("ready")
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             server.send_signal(sig)
@@ -96,26 +103,19 @@ def test_the_jobs_signals_to_every_process_end_the_rank_and_not_the_server(
         out, _ = client.communicate(timeout=30)
         assert client.returncode == 0 and "terminated cleanly" in out
         assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
-    finally:
-        client.kill()
-        client.wait()
 
 
 def test_a_killed_client_takes_its_rank_and_everything_the_rank_started(
     server_env: tuple[dict[str, str], psutil.Process],
 ) -> None:
     env, _ = server_env
-    client = subprocess.Popen([*RANK, "child"], env=env, stdout=subprocess.PIPE, text=True)
-    try:
+    with _client(env, "child") as client:
         assert client.stdout is not None
         pids = json.loads(client.stdout.readline())
         client.kill()  # as the launcher's killpg(SIGKILL) would, or a fault injector
         client.wait()
         assert _gone(pids["rank"], 5), "the rank outlived its client"
         assert _gone(pids["child"], 5), "the rank's child outlived the rank's client"
-    finally:
-        client.kill()
-        client.wait()
 
 
 def test_what_an_ended_rank_left_running_is_ended_with_it(server_env: tuple[dict[str, str], psutil.Process]) -> None:
