@@ -144,8 +144,17 @@ class PhaseRecord:
         threading.Thread(target=self._pulse, name="phase-pulse", daemon=True).start()
 
     def _pulse(self) -> None:
+        due = time.monotonic() + PULSE_S
         while True:
             time.sleep(PULSE_S)
+            now = time.monotonic()
+            overslept = now - due > PULSE_S
+            due = now + PULSE_S
+            if overslept:
+                # This process was stopped (SIGSTOP) or starved: no pulse on waking. NVRx's rank
+                # monitor sends SIGCONT right before its SIGKILL, and a pulse squeezed in between
+                # made a hung rank look alive until its kill (seen: "every rank ended without a report").
+                continue
             with contextlib.suppress(OSError):  # not written yet, or being replaced
                 os.utime(self.path)
 
