@@ -119,7 +119,17 @@ class SlurmJob:
         """Slurm holds a requeued job for 120 s before it is eligible again (users see that too);
         the test makes it eligible at once when it is back in the queue."""
         self.wait_until(("PENDING",), 300)
+        # Not before slurmd has cleaned up the previous run: a start while the node is still
+        # COMPLETING is killed at once ("Job credential revoked": the old run's credential).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "COMPLETING" in self._node_state():
+            time.sleep(0.2)
+        time.sleep(2.0)  # slurmd revokes the old credential for a moment after the node is idle
         subprocess.run(["scontrol", "update", f"JobId={self.id}", "StartTime=now"], env=self.env, check=True)
+
+    def _node_state(self) -> str:
+        out = subprocess.run(["scontrol", "show", "node", "localhost"], capture_output=True, text=True, env=self.env)
+        return out.stdout.upper()
 
     def attempts(self) -> list[dict[str, Any]]:
         return [json.loads(p.read_text()) for p in sorted((self.run_dir / "attempts").glob("attempt-*.json"))]
