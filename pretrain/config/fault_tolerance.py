@@ -142,10 +142,8 @@ class FaultToleranceConfig:
     poison_window: int = 20  # steps after a restore in which a non-finite loss poisons the step
     # ``pretrain launch`` starts a standby process beside ft_launcher that has imported torch and
     # Megatron once; every rank start (restarts included) is a fork of it, seconds sooner. It serves
-    # only while CUDA is not initialised in it; otherwise ranks import everything themselves. Off by
-    # default here until it has run on GPUs and under Slurm requeues at length (the demo, drill and
-    # soak use it).
-    standby: bool = False
+    # only while CUDA is not initialised in it; otherwise ranks import everything themselves.
+    standby: bool = True
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
