@@ -13,18 +13,7 @@ import threading
 
 import torch
 
-from pretrain.resilience.standby.wire import RankRequest
-
-# The server ignores the job's signals (they are the ranks'): a rank starts with Python's defaults.
-_DEFAULT_DISPOSITIONS = {
-    signal.SIGINT: signal.default_int_handler,
-    signal.SIGTERM: signal.SIG_DFL,
-    signal.SIGHUP: signal.SIG_DFL,
-    signal.SIGQUIT: signal.SIG_DFL,
-    signal.SIGUSR1: signal.SIG_DFL,
-    signal.SIGUSR2: signal.SIG_DFL,
-    signal.SIGCHLD: signal.SIG_DFL,
-}
+from pretrain.resilience.standby.wire import JOB_SIGNALS, RankRequest
 
 
 def _die_with_client(pidfd: int) -> None:
@@ -45,8 +34,9 @@ def take_over(request: RankRequest) -> None:
     os.environ.update(request.env)
     os.chdir(request.cwd)
     sys.argv = list(request.argv)
-    for sig, handler in _DEFAULT_DISPOSITIONS.items():
-        signal.signal(sig, handler)
+    # The server ignores the job's signals (they are the ranks'): a rank starts with Python's defaults.
+    for sig in (*JOB_SIGNALS, signal.SIGCHLD):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # read by the OpenMP runtime when the server loaded it
         torch.set_num_threads(int(threads))

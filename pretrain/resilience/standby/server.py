@@ -43,7 +43,6 @@ PRELOAD = (
     "torch.utils.serialization",
 )
 
-JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 GROUP_GRACE_S = 5.0  # torch elastic's default before it SIGKILLs a worker group that ignored SIGTERM
 
 
@@ -167,7 +166,7 @@ def main(argv: list[str]) -> None:
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     # Signals for the job (Slurm's --signal and scancel, a terminal's ^C) reach every process of
     # the step, this one too: they are the ranks' to handle. This process ends with its launcher.
-    for sig in JOB_SIGNALS:
+    for sig in wire.JOB_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     listener = socket.socket(fileno=int(argv[0]))  # bound and listening already (see .beside)
     modules = preload()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ ENV = "PRETRAIN_STANDBY"  # the server's abstract address (without the leading N
 AGENT_ENV = "PRETRAIN_AGENT_PID"  # the launcher that started the client: the rank's real parent is the server
 MAX_FRAME = 4 << 20  # an environment of a few MB is already absurd
 STDIO_AND_PIDFD = 4
+# Signals for the job (Slurm's --signal and scancel, a terminal's ^C) that reach every process of a
+# step: the server ignores them, a forked rank handles them as Python does by default.
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 @dataclass
