@@ -30,12 +30,11 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# pytest-xdist workers. One by default: with two, four timing-sensitive tests failed on a clean
-# 2-core machine (a save due while one is in flight, a clean rank scored as a straggler, ...);
-# `make test TEST_WORKERS=2` took 49 min on a clean clone here. Tests that share a machine-wide service (the
-# Ceph RGW, Slurm, the network-namespace clusters) always run on one worker (tests/conftest.py).
-TEST_WORKERS ?= 1
-PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+# pytest-xdist workers: two on this 2-core machine (the suite mostly waits on timeouts, restarts
+# and services: 23 min with one, 16 with two). Tests that share a machine-wide service run on one
+# worker per service, one at a time (tests/leftover_guard.py); `TEST_WORKERS=1` runs everything in turn.
+TEST_WORKERS ?= 2
+PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 test: venv sysdeps lint
 	$(PYTEST) tests

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pretrain.resilience.standby.beside import with_standby
+from pretrain.resilience.standby.wire import SHARED_ENV
+from tests.shared_standby import address as shared_standby_address
 from tiering.layout import RunLayout
 from tiering.publish import ReceivedStep
 
@@ -27,12 +29,19 @@ TINY = REPO / "configs" / "tiny-cpu.yaml"
 FT_CPU = REPO / "configs" / "ft-cpu.yaml"
 
 
-def job_env(tmp: Path) -> dict[str, str]:
-    """Each job gets its own short TMPDIR: NVRx puts its unix sockets there (108-byte path limit)."""
+def job_env(tmp: Path, shared_standby: bool = True) -> dict[str, str]:
+    """Each job gets its own short TMPDIR: NVRx puts its unix sockets there (108-byte path limit).
+    ``shared_standby``: its ranks are forks of the test process's shared standby server
+    (tests/shared_standby.py); False: its launcher starts its own, so that every process of the
+    job carries this environment in /proc/PID/environ."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock_dir = tempfile.mkdtemp(prefix="rp-", dir="/tmp")
     (tmp / "sockets").write_text(sock_dir)
-    return {**os.environ, "TMPDIR": sock_dir, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TMPDIR": sock_dir, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    shared = shared_standby_address() if shared_standby else None
+    if shared is not None:
+        env[SHARED_ENV] = shared
+    return env
 
 
 def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:

@@ -9,8 +9,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
-from tests import leftovers
+from tests import leftovers, shared_standby
 
 # Every process started from here on carries the session's id (see tests/leftovers.py).
 os.environ[leftovers.SESSION_VAR] = SESSION_ID = leftovers.new_id()
@@ -24,7 +25,7 @@ def _no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[No
         yield
     finally:
         del os.environ[leftovers.TEST_VAR]
-        left = leftovers.left_behind(leftovers.TEST_VAR, test_id)
+        left = leftovers.left_behind(leftovers.TEST_VAR, test_id) + shared_standby.leftovers_of_tests()
         if left:
             leftovers.kill_all(left)
             # Carried by the teardown report, so that an xdist controller lists it too.
@@ -37,23 +38,67 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             KILLED_AFTER_TESTS.append((report.nodeid, left))
 
 
-# With pytest-xdist (`make test` runs two workers), tests that share a machine-wide service or
-# network state run on one worker, one at a time: the Ceph RGW and Slurm session fixtures (one
-# instance each, not one per worker) and the network-namespace clusters (subnets, bridges).
-_SERVICE_FIXTURES = {"s3_endpoint", "bucket", "remote_uri", "slurm_cluster"}
+# With pytest-xdist (`make test` runs two workers), tests that share a machine-wide service run on
+# one worker, one at a time, in a group per service: the Ceph RGW (one per worker would start a
+# second gateway beside the first), the Slurm cluster, and the network-namespace clusters
+# (multi-node jobs with timing assertions; their namespaces, links and subnets are named per
+# worker, so the S3 group's one cluster test may run beside them). Different groups run side by
+# side. The controller schedules without collecting, so the groups are a table of modules, which
+# every worker checks against what each test uses (a test that starts using a service fails
+# collection until its module is listed). Not xdist's own ``xdist_group`` mark: pytest-xdist
+# 3.8 writes the group into an attribute pytest 9 no longer reads, so the mark groups nothing.
+SERVICE_GROUPS = {
+    "tests/test_slurm.py": "slurm",
+    "tests/test_prepare_slurm.py": "slurm",
+    "tests/test_s3_tier.py": "s3",
+    "tests/test_s3_identity.py": "s3",
+    "tests/test_chunked_digests.py": "s3",
+    "tests/test_cluster_s3_throttle.py": "s3",
+    "tests/test_cluster_faults.py": "netns",
+    "tests/test_cluster_memory_peer.py": "netns",
+    "tests/test_cluster_netem.py": "netns",
+    "tests/test_shared_storage.py": "netns",
+    "tests/test_straggler_exclusion.py": "netns",
+}
+_GROUP_FIXTURES = (("slurm", {"slurm_cluster"}), ("s3", {"s3_endpoint", "bucket", "remote_uri"}))
 
 
 def _uses_netns_cluster(module: object) -> bool:
-    names = (getattr(v, "__module__", None) or getattr(v, "__name__", "") for v in vars(module).values())
-    return any(isinstance(n, str) and n.startswith("tests.cluster") for n in names)
+    return any(getattr(v, "__module__", None) == "tests.cluster.netns" for v in vars(module).values())
+
+
+def service_group(item: pytest.Item) -> str | None:
+    """The service a test shares with others, from what it uses."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    for group, names in _GROUP_FIXTURES:
+        if fixtures & names:
+            return group
+    module = getattr(item, "module", None)
+    return "netns" if module is not None and _uses_netns_cluster(module) else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        uses_service = _SERVICE_FIXTURES & set(getattr(item, "fixturenames", ()))
-        module = getattr(item, "module", None)
-        if uses_service or (module is not None and _uses_netns_cluster(module)):
-            item.add_marker(pytest.mark.xdist_group("machine-services"))
+        group = service_group(item)
+        listed = SERVICE_GROUPS.get(item.nodeid.split("::", 1)[0])
+        if group is not None and group != listed:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the {group} service, but its module is listed as {listed}; fix: set "
+                f"its module's group to {group!r} in SERVICE_GROUPS (tests/leftover_guard.py)"
+            )
+
+
+class ServiceGroupScheduling(LoadScopeScheduling):
+    """xdist's load scheduling, one test at a time, except that a service group's tests form one
+    work unit (one worker runs them in turn)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return SERVICE_GROUPS.get(nodeid.split("::", 1)[0], nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ServiceGroupScheduling:
+    return ServiceGroupScheduling(config, log)
 
 
 def session_env() -> dict[str, str]:
@@ -84,6 +129,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     worker checks what it started (its own session id) and hands the list to the controller, whose
     own id only its workers carry."""
     config = session.config
+    shared_standby.stop()  # a session service, not a leftover
     if config.pluginmanager.hasplugin("dsession"):  # the xdist controller
         listings = LEFT_BY_WORKERS
     else:

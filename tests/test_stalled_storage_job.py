@@ -95,7 +95,7 @@ def _job_on_gated_mount(
     try:
         overrides = overrides_for(job, corpus, **settings, **{"checkpoint.local.dir": str(mount.mountpoint)})
         cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=overrides)
-        env = job_env(job)
+        env = job_env(job, shared_standby=False)  # its processes are found by their environment
         with (job / "job.log").open("wb") as log:
             proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
             yield proc, mount, env

@@ -1,7 +1,9 @@
 """Start a standby server beside a launcher: ``python -m pretrain.resilience.standby.beside --
 LAUNCHER ARGS...`` starts the server, puts its address in the environment and execs the launcher
 (same pid, so whoever started it still holds the launcher). The server gets
-``PR_SET_PDEATHSIG``: it ends when the launcher does, however the launcher ends.
+``PR_SET_PDEATHSIG``: it ends when the launcher does, however the launcher ends. Where the
+environment names a shared server (``wire.SHARED_ENV``: one that outlives launchers, as the test
+suite keeps per worker), the launcher uses that one and none is started.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from typing import IO
 
 from pretrain.resilience.standby import wire
 
@@ -27,8 +30,9 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def start_server(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start a standby server as this process's child, and set its address in ``env``."""
+def start_server(env: dict[str, str], output: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """Start a standby server as this process's child, and set its address in ``env``. ``output``:
+    where its own messages go (default: this process's stdout and stderr)."""
     name = f"pretrain-standby-{os.getpid()}-{secrets.token_hex(4)}"
     parent = os.getpid()
     # Bound and listening before anything can look for it: a client that comes while the server
@@ -38,6 +42,8 @@ def start_server(env: dict[str, str]) -> subprocess.Popen[bytes]:
             [sys.executable, "-u", "-m", "pretrain.resilience.standby.server", str(listener.fileno())],
             env={k: v for k, v in env.items() if k != wire.ENV},
             stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=output,
             pass_fds=[listener.fileno()],
             preexec_fn=lambda: _die_with_parent(parent),  # noqa: PLW1509 (single-threaded here)
         )
@@ -55,7 +61,11 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: python -m pretrain.resilience.standby.beside -- LAUNCHER [ARGS...]")
     command = argv[1:]
     env = dict(os.environ)
-    start_server(env)
+    shared = env.get(wire.SHARED_ENV)
+    if shared:  # a server that outlives launchers is already running (see wire.SHARED_ENV)
+        env[wire.ENV] = shared
+    else:
+        start_server(env)
     os.execvpe(command[0], command, env)
 
 

@@ -9,6 +9,7 @@ import runpy
 import select
 import signal
 import sys
+import tempfile
 import threading
 
 import torch
@@ -32,6 +33,7 @@ def take_over(request: RankRequest) -> None:
         os.close(fd)
     os.environ.clear()
     os.environ.update(request.env)
+    tempfile.tempdir = None  # the server's TMPDIR may have been cached by an import: the rank's counts
     os.chdir(request.cwd)
     sys.argv = list(request.argv)
     # The server ignores the job's signals (they are the ranks'): a rank starts with Python's defaults.

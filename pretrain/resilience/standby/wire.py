@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 ENV = "PRETRAIN_STANDBY"  # the server's abstract address (without the leading NUL)
+# A server that outlives launchers, started by whoever runs many jobs in turn on one machine (the
+# test suite): a launcher started beside it uses it instead of starting one of its own.
+SHARED_ENV = "PRETRAIN_STANDBY_SHARED"
 AGENT_ENV = "PRETRAIN_AGENT_PID"  # the launcher that started the client: the rank's real parent is the server
 MAX_FRAME = 4 << 20  # an environment of a few MB is already absurd
 STDIO_AND_PIDFD = 4
