@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import boto3
 import pytest
 
 from pretrain.observability.goodput import CAUSES
@@ -95,14 +96,13 @@ def test_an_unreachable_store_is_recorded_by_the_uploader_and_training_never_res
     tmp_path: Path, corpus: Path, s3_endpoint: str, bucket: str
 ) -> None:
     """s3-unreachable (a proxy between the uploader and a real Ceph RGW accepts connections and
-    answers nothing, then resets them) and a kill of one rank (seed 4: the kill first, both early):
+    answers nothing, then resets them) and a kill of one rank (seed 1: the kill 2 steps in, the store
+    cut 11 steps after the recovery; both land early, however fast the machine trains):
     the uploader's store-failure counter records the outage, no attempt starts because of it, a step
     newer than the one it had is promoted once the store answers again, and every loss matches the
     fault-free run, whose own uploader promoted to its own prefix."""
-    import boto3
-
     work = tmp_path / "soak"
-    cmd = [PYTHON, "-m", "pretrain", "soak", "--faults", "2", "--mtti-steps", "5", "--seed", "4", "--steps", "40"]
+    cmd = [PYTHON, "-m", "pretrain", "soak", "--faults", "2", "--mtti-steps", "8", "--seed", "1", "--steps", "40"]
     cmd += ["--kinds", "s3-unreachable,kill-rank", "--workdir", str(work), "--baseline-alongside"]
     cmd += ["--data", str(corpus), "--set", f"checkpoint.s3.uri=s3://{bucket}/soak"]
     cmd += ["--set", f"checkpoint.s3.endpoint_url={s3_endpoint}"]
