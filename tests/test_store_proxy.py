@@ -174,7 +174,8 @@ def test_the_configured_timeouts_bound_a_request_to_a_store_that_stopped_answeri
     proxy: StoreProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """checkpoint.s3.read_timeout_s and max_attempts reach the uploader's S3 client: a black-holed
-    store fails a listing after one 1 s try, not after five tries of the default 60 s."""
+    store fails a listing after one try of 1 s (max_attempts counts every try, the first included),
+    not after five tries of the default 60 s."""
     for key, value in (("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s"), ("AWS_DEFAULT_REGION", "us-east-1")):
         monkeypatch.setenv(key, value)
     cfg = load_config(
@@ -192,4 +193,4 @@ def test_the_configured_timeouts_bound_a_request_to_a_store_that_stopped_answeri
     t0 = time.monotonic()
     with pytest.raises(ObjectStoreError, match="ReadTimeoutError"):
         remote.committed_steps()
-    assert 0.9 < time.monotonic() - t0 < 5.0
+    assert 0.9 < time.monotonic() - t0 < 1.9

@@ -80,7 +80,7 @@ class S3TierConfig:
     # S3 client: seconds to wait for each read (or write) on a connection before a try fails; a
     # store that stops answering holds each try this long
     read_timeout_s: float = 60.0
-    max_attempts: int = 5  # tries per request of the uploader's and GC's S3 client before their own backoff
+    max_attempts: int = 5  # uploader's and GC's S3 client: tries per request, the first included, then their backoff
 
     def check(self, fail: Fail) -> None:
         if self.uri is None:
