@@ -96,13 +96,14 @@ def test_an_unreachable_store_is_recorded_by_the_uploader_and_training_never_res
     tmp_path: Path, corpus: Path, s3_endpoint: str, bucket: str
 ) -> None:
     """s3-unreachable (a proxy between the uploader and a real Ceph RGW accepts connections and
-    answers nothing, then resets them) and a kill of one rank (seed 1: the kill 2 steps in, the store
-    cut 11 steps after the recovery; both land early, however fast the machine trains):
+    answers nothing, then resets them) and a kill of one rank (seed 6: the kill 14 steps in, after
+    the first checkpoint, the store cut a step after the recovery; both land early, however fast the
+    machine trains):
     the uploader's store-failure counter records the outage, no attempt starts because of it, a step
     newer than the one it had is promoted once the store answers again, and every loss matches the
     fault-free run, whose own uploader promoted to its own prefix."""
     work = tmp_path / "soak"
-    cmd = [PYTHON, "-m", "pretrain", "soak", "--faults", "2", "--mtti-steps", "8", "--seed", "1", "--steps", "40"]
+    cmd = [PYTHON, "-m", "pretrain", "soak", "--faults", "2", "--mtti-steps", "10", "--seed", "6", "--steps", "60"]
     cmd += ["--kinds", "s3-unreachable,kill-rank", "--workdir", str(work), "--baseline-alongside"]
     cmd += ["--data", str(corpus), "--set", f"checkpoint.s3.uri=s3://{bucket}/soak"]
     cmd += ["--set", f"checkpoint.s3.endpoint_url={s3_endpoint}"]
@@ -116,6 +117,7 @@ def test_an_unreachable_store_is_recorded_by_the_uploader_and_training_never_res
     row = next(f for f in report["faults"] if f["kind"] == "s3-unreachable")
     recorded = next(e["recorded"] for e in report["events"] if e["plan"]["kind"] == "s3-unreachable")
     assert row["recorded_class"] == row["expected_class"] == "store" and row["restarted_during"] == [], row
+    assert row["steps_trained_while_cut"] > 0, row  # the job went on: it never waits for its object store
     assert 0 < row["detection_s"] < row["outage_s"] < row["fault_to_next_step_s"] and row["back_s"] > 0, row
     at_fault, after = recorded["promoted_step_at_fault"], recorded["promoted_step_after"]
     assert after is not None and (at_fault is None or after > at_fault), recorded

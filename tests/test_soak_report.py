@@ -62,10 +62,12 @@ def _store_event(recorded: bool) -> FaultEvent:
 
 
 def test_a_store_fault_is_recorded_by_the_uploader_and_restarts_nothing() -> None:
-    row = fault_row(_store_event(True), [{"id": "a", "started_at": 90.0}], [], [], 0.0)
+    rows = [{"attempt": "a", "step": s, "time": 99.0 + s} for s in range(1, 15)]  # 9 of them while cut
+    row = fault_row(_store_event(True), [{"id": "a", "started_at": 90.0}], rows, [], 0.0)
     assert row["record_matches"] and row["recovered"] and row["recorded_class"] == row["expected_class"] == "store"
     assert (row["detection_s"], row["outage_s"], row["back_s"], row["fault_to_next_step_s"]) == (4.0, 10.0, 2.5, 12.5)
     assert row["lost_steps"] == 0 and row["restarted_during"] == [] and "no attempt started" in row["evidence"]
+    assert row["steps_trained_while_cut"] == 10 and "(10 steps trained meanwhile)" in row["evidence"]
 
 
 def test_a_store_fault_is_a_mismatch_when_an_attempt_started_meanwhile_or_nothing_was_recorded() -> None:

@@ -88,7 +88,7 @@ def fault_row(
     if kind.target == "storage":
         return _storage_row(event, t0)
     if kind.target == "store":
-        return _store_row(event, attempts, t0)
+        return _store_row(event, attempts, rows, t0)
     hit = next((a for a in attempts if a.get("id") == event.attempt), {})
     later = [a for a in attempts if (a.get("started_at") or 0) > t and a.get("first_step") is not None]
     nxt = later[0] if later else {}
@@ -156,21 +156,26 @@ def _storage_row(event: FaultEvent, t0: float) -> dict[str, Any]:
     }
 
 
-def _store_row(event: FaultEvent, attempts: list[dict[str, Any]], t0: float) -> dict[str, Any]:
+def _store_row(
+    event: FaultEvent, attempts: list[dict[str, Any]], rows: list[dict[str, Any]], t0: float
+) -> dict[str, Any]:
     """A store fault's row (see the module docstring): a storage row, judged by the uploader's
-    failure counter, and failed when the job started an attempt while the store was cut or not back."""
+    failure counter, and failed when the job started an attempt while the store was cut or not back.
+    ``steps_trained_while_cut``: training went on meanwhile."""
     row = _storage_row(event, t0)
     t, rec = event.injected.time, event.recorded or {}
     until = event.recovered_at or event.released_at or t
     restarted = [a["id"] for a in attempts if t < (a.get("started_at") or 0) <= until]
     released, back = event.released_at, event.recovered_at
+    trained = sum(1 for r in rows if t < r["time"] <= (released or t))
     outage_s = round(released - t, 3) if released else None
     back_s = round(back - released, 3) if back and released else None
     evidence = None
     if rec:
         before, after = rec["uploader_failures_total"]
         evidence = (
-            f'uploader_failures_total{{reason="store"}} {before:g} -> {after:g}; store cut {outage_s} s; promoted '
+            f'uploader_failures_total{{reason="store"}} {before:g} -> {after:g}; store cut {outage_s} s '
+            f"({trained} steps trained meanwhile); promoted "
             f"step {rec.get('promoted_step_at_fault')} at the fault, {rec.get('promoted_step_after')} {back_s} s "
             "after the store answered again; "
             + (f"attempts started meanwhile: {restarted}" if restarted else "no attempt started meanwhile")
@@ -180,6 +185,7 @@ def _store_row(event: FaultEvent, attempts: list[dict[str, Any]], t0: float) -> 
         record_matches=row["record_matches"] and not restarted,
         evidence=evidence,
         restarted_during=restarted,
+        steps_trained_while_cut=trained,
         outage_s=outage_s,
         back_s=back_s,
     )

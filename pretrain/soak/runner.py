@@ -54,19 +54,20 @@ END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a
 # tight: a save plus its replication took over 3 s on a loaded 2-core machine (a false stall).
 TIER1_VOLUME_MB = 160
 STORAGE_SETTINGS = {"checkpoint.local.stall_timeout_s": 8.0, "checkpoint.local.probe_interval_s": 1.0}
-# The store kind: the uploader's S3 client gives a request that gets no answer 3 s (the defaults,
-# 5 tries of 60 s, would keep one outage going for minutes), polls each second, backs off at most
-# 2 s while the store is down (so it notices the store is back within seconds), and has a step
-# to promote every 10 steps (staged by the reshardable tier).
+# The store kind: the uploader's S3 client gives up on a request that gets no answer after one try
+# of 2 s (a PUT waits 1 s more for its 100-continue; the defaults, 5 tries of 60 s, would keep one
+# outage going for minutes), polls each second, backs off at most 2 s while the store is down (so
+# it notices the store is back within seconds), and has a step to promote every 10 steps (staged
+# by the reshardable tier).
 STORE_SETTINGS = {
-    "checkpoint.s3.connect_timeout_s": 2.0,
-    "checkpoint.s3.read_timeout_s": 3.0,
-    "checkpoint.s3.max_attempts": 2,
+    "checkpoint.s3.connect_timeout_s": 1.0,
+    "checkpoint.s3.read_timeout_s": 2.0,
+    "checkpoint.s3.max_attempts": 1,
     "checkpoint.s3.poll_s": 1.0,
     "checkpoint.s3.retry_max_s": 2.0,
     "checkpoint.s3.interval": 10,
 }
-STORE_HELD_S = 3.0  # the store stays cut this long after the uploader recorded the failure
+STORE_HELD_S = 2.0  # the store stays cut this long after the uploader recorded the failure
 UPLOADER_WAIT_S = 300.0  # for the uploader to record a failure, or a promotion after the store answers again
 
 

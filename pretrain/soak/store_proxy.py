@@ -161,6 +161,9 @@ class StoreProxy:
         except OSError:
             self._drop(conn)  # the real endpoint refused: so does the proxy
             return
+        if conn.released.is_set():  # reset (or the proxy stopped) while it was connecting
+            _close(conn.upstream, reset=True)
+            return
         self._count("forwarded")
         self._spawn(self._pump, conn, conn.client, conn.upstream)
         self._pump(conn, conn.upstream, conn.client)
