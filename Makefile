@@ -59,10 +59,11 @@ bench-tier0: venv
 # The long soak (docs/soak.md): >= 50 random faults covering every kind against the tiny config and a
 # fault-free baseline; an hour or more on 2 cores. The report is copied to bench/results/. The kind
 # s3-unreachable needs an object store to cut off: a throwaway Ceph RGW (scripts/ceph/with-rgw.sh,
-# stopped whatever happens); a promotion every 100 steps keeps both runs' steps within its memory.
+# stopped whatever happens). The uploaders promote every staged step: one every 200 steps keeps both
+# runs' ~5.6 MB steps (2 x 60) within the RGW's 6 GB memory store.
 SOAK_ARGS ?= --faults 54 --mtti 30 --seed 1 --steps 12000
 SOAK_S3 = --set checkpoint.s3.uri=s3://$$RGW_BUCKET/soak --set checkpoint.s3.endpoint_url=$$S3_ENDPOINT_URL \
-	--set checkpoint.s3.interval=100
+	--set checkpoint.reshardable.interval=200 --set checkpoint.s3.interval=200
 soak: venv sysdeps
 	PYTHON=$(BIN)/python scripts/ceph/with-rgw.sh sh -c \
 	  'PYTHONWARNINGS=ignore $(BIN)/pretrain soak $(SOAK_ARGS) --workdir runs/soak-long $(SOAK_S3)'
