@@ -6,12 +6,12 @@ Slurm's requeue would start it again), waiting for each recovery before the next
 collecting what happened into :class:`FaultEvent` rows. For the storage kinds it also puts the
 faulted run's tier 1 on the soak's storage mount (:meth:`SoakRunner.setup_storage`, torn down by
 :meth:`SoakRunner.teardown_storage`), waits for the job to record the fault, releases it and waits
-for tier 1 to save again (the job never stops for them). For the store kind it runs the uploader
-beside the baseline and the faulted run (:mod:`pretrain.soak.uploader`), each run under its own
-fresh prefix of ``checkpoint.s3.uri``, the faulted run's endpoint behind the soak's proxy
-(:meth:`SoakRunner.setup_store`, :mod:`pretrain.soak.store_proxy`); it cuts the store, waits until
-the uploader records failures, keeps the store cut a while, lets it answer again and waits until
-the uploader promotes a newer step. It never judges the outcome: the report
+for tier 1 to save again (the job never stops for them). With ``checkpoint.s3.uri`` set each run
+writes under its own fresh prefix of it (:meth:`SoakRunner.setup_store`). For the store kind it
+also runs the uploader beside the baseline and the faulted run (:mod:`pretrain.soak.uploader`),
+the faulted run's endpoint behind the soak's proxy (:mod:`pretrain.soak.store_proxy`); it cuts
+the store, waits until the uploader records a failure, keeps the store cut a while, lets it
+answer again and waits until the uploader promotes a newer step. It never judges the outcome: the report
 (``pretrain.soak.report``) reads the run's own records for that. Called by ``pretrain soak``.
 """
 
