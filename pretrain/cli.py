@@ -150,7 +150,7 @@ def _soak(args: argparse.Namespace) -> int:
     try:
         return run_soak(
             args.config, args.faults, args.mtti, args.seed, args.kinds, args.workdir, args.steps, args.mtti_steps,
-            args.baseline_alongside, args.data,
+            args.baseline_alongside, args.data, args.set or [],
         )  # fmt: skip
     except SoakRequestError as exc:
         print(exc, file=sys.stderr)
@@ -340,6 +340,13 @@ def _add_experiment_commands(sub: argparse._SubParsersAction) -> None:
         "--data", default=None, help="an indexed dataset prefix to train on (default: a 1 MB synthetic corpus)"
     )
     so.add_argument("--workdir", default="runs/soak")
+    so.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key of every run (repeatable), e.g. checkpoint.s3.uri and checkpoint.s3.endpoint_url "
+        "for the s3-unreachable kind",
+    )
     so.set_defaults(func=_soak)
 
 

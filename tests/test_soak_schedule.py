@@ -23,6 +23,7 @@ from pretrain.soak.schedule import (
 from tests.helpers import TINY
 
 CAN = Survivability(replicated=True, restart_s=4.0)
+RGW = {"s3_uri": "s3://bucket/soak", "s3_endpoint": "http://127.0.0.1:7480"}
 
 
 def test_one_seed_draws_one_schedule_and_another_seed_another() -> None:
@@ -75,6 +76,9 @@ def test_a_run_too_short_for_its_step_paced_faults_is_refused_naming_the_steps_i
         ("full-disk", 30.0, Survivability(True, 4.0, cannot_mount="/dev/fuse is missing"), "/dev/fuse is missing"),
         ("blocked-write", 30.0, Survivability(True, 4.0, background_saves=False), "no stall deadline"),
         ("blocked-write", 30.0, Survivability(True, 4.0, writer_process=False), "keeps its rank from exiting"),
+        ("kill-rank,s3-unreachable", 30.0, CAN, "checkpoint.s3.uri is not set"),
+        ("s3-unreachable", 30.0, Survivability(True, 4.0, s3_uri="file:///tmp/objects"), "no network to cut"),
+        ("s3-unreachable", 30.0, Survivability(True, 4.0, s3_uri="s3://bucket/soak"), "endpoint_url, which is not set"),
     ],
 )
 def test_bad_requests_are_refused_in_one_line_with_a_fix(
@@ -100,11 +104,14 @@ def test_the_command_refuses_bad_input_before_running_anything(
     for args, says in (
         (["--faults", "3", "--mtti", "0.5"], "faults would arrive faster than recovery"),
         (["--faults", "3", "--mtti-steps", "0.5"], "paced by whole steps"),
-        (["--faults", "6", "--mtti-steps", "20", "--steps", "30"], "too short for 6 faults paced by steps"),
+        (["--faults", "6", "--mtti-steps", "20", "--steps", "30", "--kinds", "kill-rank"], "too short for 6 faults"),
         (["--data", str(tmp_path / "nowhere")], "no indexed dataset there"),
         (["--kinds", "kill-rank,nope"], "unknown kind 'nope'"),
         (["--kinds", "kill-rank,kill-node", "--config", str(unreplicated)], "kill-node lose a node"),
         (["--kinds", "blocked-write", "--config", str(threaded)], "thread tier-1 writer"),
+        (["--kinds", "s3-unreachable"], "checkpoint.s3.uri is not set"),
+        (["--kinds", "s3-unreachable", "--set", f"checkpoint.s3.uri=file://{tmp_path}"], "no network to cut"),
+        (["--kinds", "s3-unreachable", "--set", "checkpoint.s3.uri=s3://b/p"], "endpoint_url, which is not set"),
     ):
         rc = main(["soak", *args, "--workdir", str(work)])
         err = capsys.readouterr().err.strip()
@@ -116,3 +123,8 @@ def test_a_config_that_survives_a_stall_is_not_refused_for_the_storage_kinds() -
     check_request(parse_kinds("blocked-write,full-disk,kill-rank"), 5, 30.0, CAN)
     # a thread writer survives a full disk (it fails, it does not hang)
     check_request(parse_kinds("full-disk"), 5, 30.0, Survivability(True, 4.0, writer_process=False))
+
+
+def test_the_store_kind_is_not_refused_with_an_s3_uri_and_an_endpoint() -> None:
+    check_request(parse_kinds("s3-unreachable,kill-rank"), 5, 30.0, Survivability(True, 4.0, **RGW))
+    check_request(parse_kinds("kill-rank"), 5, 30.0, CAN)  # no store kind: no store needed

@@ -127,7 +127,8 @@ class S3Store:
             "s3",
             endpoint_url=endpoint_url,
             config=Config(
-                retries={"max_attempts": max_attempts, "mode": "standard"},
+                # total_max_attempts counts every try; botocore's max_attempts counts only the retries
+                retries={"total_max_attempts": max_attempts, "mode": "standard"},
                 connect_timeout=connect_timeout_s,
                 read_timeout=read_timeout_s,
                 s3={"addressing_style": "path"},

@@ -43,13 +43,17 @@ class RemoteTier(RemoteRun):
         checksum_header: bool = False,
         fault: str | None = None,
         max_attempts: int = 5,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
     ) -> RemoteTier:
         """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``); ``fault``
         injects deliberate S3 faults (tests and drills only); ``max_attempts``: the S3 client's tries
-        per request before the error reaches the caller (whose own backoff then applies)."""
+        per request before the error reaches the caller (whose own backoff then applies), each
+        failing after ``connect_timeout_s`` without a connection or ``read_timeout_s`` without an answer."""
         store, prefix = open_store(
-            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, max_attempts=max_attempts
-        )
+            uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, connect_timeout_s, read_timeout_s,
+            max_attempts,
+        )  # fmt: skip
         if fault:
             install_s3_faults(store, fault)
         return cls(store, prefix, run_id, concurrency)

@@ -89,8 +89,9 @@ class TieredCheckpointer:
         store only warns (the uploader, not the trainer, writes to it)."""
         s3 = self.cfg.checkpoint.s3
         store, prefix = open_store(
-            s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header, max_attempts=2
-        )
+            s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header,
+            s3.connect_timeout_s, s3.read_timeout_s, max_attempts=2,
+        )  # fmt: skip
         remote = RemoteTier(store, prefix, self.cfg.run.id, s3.concurrency)
         error = None
         if self.coll.rank == 0:

@@ -29,6 +29,9 @@ def remote_tier(cfg: Config) -> RemoteTier:
         multipart_chunk_mb=s3.multipart_chunk_mb,
         checksum_header=s3.checksum_header,
         fault=cfg.fault_tolerance.inject.s3_fault,
+        max_attempts=s3.max_attempts,
+        connect_timeout_s=s3.connect_timeout_s,
+        read_timeout_s=s3.read_timeout_s,
     )
 
 

@@ -47,7 +47,10 @@ def _load_remote(session: Session, uri: str, step: int | None, coll: TorchCollec
     where = None
     if coll.rank == 0:
         s3 = session.cfg.checkpoint.s3
-        remote = RemoteTier.open(uri, session.cfg.run.id, endpoint_url=s3.endpoint_url, concurrency=s3.concurrency)
+        remote = RemoteTier.open(
+            uri, session.cfg.run.id, endpoint_url=s3.endpoint_url, concurrency=s3.concurrency,
+            connect_timeout_s=s3.connect_timeout_s, read_timeout_s=s3.read_timeout_s,
+        )  # fmt: skip
         chosen = step if step is not None else next(iter(remote.committed_steps()), None)
         if chosen is None:
             raise ConfigError(f"{uri}: run {session.cfg.run.id} has no committed step; fix: check the URI and run.id")

@@ -31,6 +31,7 @@ from pretrain.soak.runner import (
 from pretrain.soak.schedule import (
     KINDS,
     STORAGE_KINDS,
+    STORE_KINDS,
     PlannedFault,
     SoakRequestError,
     Survivability,
@@ -46,13 +47,13 @@ from pretrain.soak.timeline import plot_timeline
 # fault the launcher restarts the group as forks of its standby process (fault -> next step
 # 0.5-1 s); a job-level fault starts the launcher and its standby process again (their imports:
 # 3-4 s). An MTTI below that means faults would arrive faster than the job can recover.
-RESTART_S = {"rank": 1.0, "node": 1.0, "job": 4.0, "storage": 0.0}  # a storage fault restarts nothing
+RESTART_S = {"rank": 1.0, "node": 1.0, "job": 4.0, "storage": 0.0, "store": 0.0}  # storage, store: no restart
 
 
 def second_resume(runner: SoakRunner, steps: int, base_dir: Path, restarted: bool = True) -> dict[str, Any]:
     """One more restart after the soak's run ended: it must restore the last step (written by an
     attempt that was itself restored, when a fault of the run restarted it: ``restarted``; storage
-    faults alone restart nothing) with its data position, and go on bit-equal to the baseline."""
+    and store faults alone restart nothing) with its data position, and go on bit-equal to the baseline."""
     faulted = runner.run_dir("faulted")
     before = {a["id"] for a in read_attempts(faulted)}
     times = runner.plain_run("faulted", steps + SECOND_RESUME_STEPS, "second-resume.log")
@@ -109,7 +110,7 @@ def baseline_and_faulted(
     steps, kinds = runner.s.steps, ", ".join(p.kind for p in schedule)
     print(f"[soak] baseline: {runner.total_steps} steps without faults" + (" (alongside)" if alongside else ""))
     with ThreadPoolExecutor(max_workers=1) as pool:
-        base = pool.submit(runner.plain_run, "baseline", runner.total_steps, "job.log")
+        base = pool.submit(runner.plain_run, "baseline", runner.total_steps, "job.log", uploader=True)
         if not alongside:
             base.result()
         print(f"[soak] faulted run: {steps} steps, {len(schedule)} faults: {kinds}", flush=True)
@@ -128,9 +129,11 @@ def run_soak(
     mtti_steps: float | None = None,
     alongside: bool = False,
     data: str | None = None,
+    overrides: list[str] | None = None,
 ) -> int:
     kinds = parse_kinds(kinds_spec)
-    runner = SoakRunner(SoakSettings(config, Path(workdir).resolve(), steps, data=check_data(data)))
+    work = Path(workdir).resolve()
+    runner = SoakRunner(SoakSettings(config, work, steps, overrides=list(overrides or []), data=check_data(data)))
     cfg = runner.loaded()
     can = Survivability(
         cfg.checkpoint.replication.factor >= 2,
@@ -138,12 +141,13 @@ def run_soak(
         background_saves=cfg.checkpoint.async_.enabled,
         writer_process=cfg.checkpoint.async_.mode != "thread",  # auto is a writer process on CPU
         cannot_mount=fuse_missing() if set(kinds) & set(STORAGE_KINDS) else None,
+        s3_uri=cfg.checkpoint.s3.uri,
+        s3_endpoint=cfg.checkpoint.s3.endpoint_url,
     )
     check_request(kinds, faults, mtti, can, mtti_steps)
     in_steps = mtti_steps is not None
     schedule = draw_schedule(kinds, faults, mtti_steps or mtti, ranks=runner.s.nproc, seed=seed, in_steps=in_steps)
     check_fits(schedule, steps, END_MARGIN_STEPS)
-    work = runner.work
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -151,10 +155,13 @@ def run_soak(
     try:
         if set(kinds) & set(STORAGE_KINDS):
             runner.setup_storage()  # the faulted run's tier 1, kept for the second resume
+        if cfg.checkpoint.s3.uri:  # a fresh prefix per run; the store kind's proxy, kept for the second resume
+            runner.setup_store(cut=bool(set(kinds) & set(STORE_KINDS)))
         base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
-        restarted = any(KINDS[p.kind].target != "storage" for p in schedule)
+        restarted = any(KINDS[p.kind].target not in ("storage", "store") for p in schedule)
         resume = second_resume(runner, steps, runner.run_dir("baseline"), restarted)
     finally:
+        runner.teardown_store()
         runner.teardown_storage()
     report = build_report(
         runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume

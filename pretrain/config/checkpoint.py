@@ -76,6 +76,11 @@ class S3TierConfig:
     owner: str | None = None  # lease identity (default: RP_RUN_OWNER, else user@host)
     poll_s: float = 5.0  # uploader --watch polling period
     retry_max_s: float = 60.0  # uploader backoff cap when the store is unreachable
+    connect_timeout_s: float = 5.0  # S3 client: seconds to wait for a connection before a try fails
+    # S3 client: seconds to wait for each read (or write) on a connection before a try fails; a
+    # store that stops answering holds each try this long
+    read_timeout_s: float = 60.0
+    max_attempts: int = 5  # uploader's and GC's S3 client: tries per request, the first included, then their backoff
 
     def check(self, fail: Fail) -> None:
         if self.uri is None:
@@ -91,6 +96,12 @@ class S3TierConfig:
                 "keep",
                 "keep and concurrency must be >= 1, multipart_chunk_mb >= 5 (S3's minimum)",
                 "fix the S3 tier numbers",
+            )
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0 or self.max_attempts < 1:
+            fail(
+                "read_timeout_s",
+                "connect_timeout_s and read_timeout_s must be > 0, max_attempts >= 1",
+                "set positive timeouts (seconds) and at least one attempt",
             )
 
 

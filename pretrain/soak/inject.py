@@ -8,8 +8,9 @@ holding the GIL) go through the trainer's own hook: a file ``rank-N`` in
 (``pretrain.resilience.faults``). Job-level kinds (the launcher killed, a preemption) are carried out
 here up to the launcher's exit; starting the job again is the runner's (as Slurm's requeue would).
 The storage kinds act on tier 1's file system, not on a process (:mod:`pretrain.soak.storage`):
-``blocked-write`` closes the gated mount's gate, ``full-disk`` fills its tmpfs; :func:`release`
-undoes them once the job recorded the fault.
+``blocked-write`` closes the gated mount's gate, ``full-disk`` fills its tmpfs. The store kind
+``s3-unreachable`` black-holes the proxy between the uploader and the object store
+(:mod:`pretrain.soak.store_proxy`). :func:`release` undoes those once the fault was recorded.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import psutil
 
 from pretrain.soak.storage import StorageFaults
+from pretrain.soak.store_proxy import StoreProxy
 from tiering.fsio import atomic_write_bytes
 
 STEP_GLOB = "step-*"
@@ -101,11 +103,17 @@ def inject(
     index: int,
     now: float,
     storage: StorageFaults | None = None,
+    proxy: StoreProxy | None = None,
 ) -> Injected:
-    """Do fault ``kind`` to ``rank`` of the live attempt (or to its node, the whole job, or tier 1's
-    storage, which ``storage`` holds for the storage kinds)."""
+    """Do fault ``kind`` to ``rank`` of the live attempt (or to its node, the whole job, tier 1's
+    storage, which ``storage`` holds for the storage kinds, or the object store behind ``proxy``)."""
     if kind in ("blocked-write", "full-disk"):
         return _storage_fault(kind, live, storage, now)
+    if kind == "s3-unreachable":
+        if proxy is None:
+            raise ValueError(f"fault kind {kind!r} needs the soak's store proxy")  # the runner sets it up
+        held = proxy.black_hole()
+        return Injected(now, [], [], {"endpoint": proxy.upstream, "proxy": proxy.url, "held_connections": held})
     one = [live.pids[rank]]
     if kind == "kill-rank":
         _signal(one, signal.SIGKILL)
@@ -147,11 +155,15 @@ def _storage_fault(kind: str, live: LiveRanks, storage: StorageFaults | None, no
     return Injected(now, sorted(live.pids), [], {"filled_bytes": filled})
 
 
-def release(kind: str, storage: StorageFaults | None) -> None:
-    """Undo a storage fault (the gate opened, the filling file deleted); nothing for other kinds."""
+def release(kind: str, storage: StorageFaults | None, proxy: StoreProxy | None = None) -> dict[str, Any]:
+    """Undo a storage or store fault (the gate opened, the filling file deleted, the store answering
+    again); nothing for other kinds. Returns what was done."""
+    if kind == "s3-unreachable" and proxy is not None:
+        return {"reset_connections": proxy.answer()}
     if storage is None or storage.mount is None or storage.volume is None:
-        return
+        return {}
     if kind == "blocked-write":
         storage.mount.open()
     elif kind == "full-disk":
         storage.volume.free()
+    return {}

@@ -15,6 +15,12 @@ A storage kind (``blocked-write``, ``full-disk``) ends no attempt: its row is ju
 the job recorded it with (a tier-1 save failed or skipped, whose ``reason`` must be the kind's
 ``expect``), its detection is fault -> that event, its "next step" is fault -> tier 1 saving again
 after the fault was released (the recovery), and it loses no step.
+
+The store kind (``s3-unreachable``) ends no attempt either: its row is judged by the uploader's
+``uploader_failures_total{reason="store"}`` going up after the store was cut (detection: fault ->
+that) and by no attempt of the job starting while the store was cut or until the uploader
+promoted a step newer than the one it had at the fault (its "next step": fault -> that promotion;
+``back_s``: the store answering again -> that promotion).
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def _fault_row(
+def fault_row(
     event: FaultEvent,
     attempts: list[dict[str, Any]],
     rows: list[dict[str, Any]],
@@ -81,6 +87,8 @@ def _fault_row(
     t = event.injected.time
     if kind.target == "storage":
         return _storage_row(event, t0)
+    if kind.target == "store":
+        return _store_row(event, attempts, rows, t0)
     hit = next((a for a in attempts if a.get("id") == event.attempt), {})
     later = [a for a in attempts if (a.get("started_at") or 0) > t and a.get("first_step") is not None]
     nxt = later[0] if later else {}
@@ -148,6 +156,42 @@ def _storage_row(event: FaultEvent, t0: float) -> dict[str, Any]:
     }
 
 
+def _store_row(
+    event: FaultEvent, attempts: list[dict[str, Any]], rows: list[dict[str, Any]], t0: float
+) -> dict[str, Any]:
+    """A store fault's row (see the module docstring): a storage row, judged by the uploader's
+    failure counter, and failed when the job started an attempt while the store was cut or not back.
+    ``steps_trained_while_cut``: training went on meanwhile."""
+    row = _storage_row(event, t0)
+    t, rec = event.injected.time, event.recorded or {}
+    until = event.recovered_at or event.released_at or t
+    restarted = [a["id"] for a in attempts if t < (a.get("started_at") or 0) <= until]
+    released, back = event.released_at, event.recovered_at
+    trained = sum(1 for r in rows if t < r["time"] <= (released or t))
+    outage_s = round(released - t, 3) if released else None
+    back_s = round(back - released, 3) if back and released else None
+    evidence = None
+    if rec:
+        before, after = rec["uploader_failures_total"]
+        evidence = (
+            f'uploader_failures_total{{reason="store"}} {before:g} -> {after:g}; store cut {outage_s} s '
+            f"({trained} steps trained meanwhile); promoted "
+            f"step {rec.get('promoted_step_at_fault')} at the fault, {rec.get('promoted_step_after')} {back_s} s "
+            "after the store answered again; "
+            + (f"attempts started meanwhile: {restarted}" if restarted else "no attempt started meanwhile")
+        )
+    row.update(
+        recorded_ranks=[],
+        record_matches=row["record_matches"] and not restarted,
+        evidence=evidence,
+        restarted_during=restarted,
+        steps_trained_while_cut=trained,
+        outage_s=outage_s,
+        back_s=back_s,
+    )
+    return row
+
+
 def recovery_breakdown(
     fault_at: float,
     gone_at: float | None,
@@ -211,7 +255,7 @@ def build_report(
     base_rows = read_metrics(base_dir)
     # restores, and fresh starts (an attempt with nothing to restore): where each attempt's build ended
     restores = [e for e in read_jsonl(faulted_dir / "events.jsonl") if e.get("event") in ("restore", "fresh_start")]
-    faults = [_fault_row(e, attempts, rows, restores, faulted_times.launched_at) for e in events]
+    faults = [fault_row(e, attempts, rows, restores, faulted_times.launched_at) for e in events]
     compared, differ = losses_match(base_rows, rows)
     reached = max((r["step"] for r in rows), default=0)
     base_at_n = next((r["time"] for r in base_rows if r["step"] == steps), None)

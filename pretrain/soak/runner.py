@@ -6,7 +6,12 @@ Slurm's requeue would start it again), waiting for each recovery before the next
 collecting what happened into :class:`FaultEvent` rows. For the storage kinds it also puts the
 faulted run's tier 1 on the soak's storage mount (:meth:`SoakRunner.setup_storage`, torn down by
 :meth:`SoakRunner.teardown_storage`), waits for the job to record the fault, releases it and waits
-for tier 1 to save again (the job never stops for them). It never judges the outcome: the report
+for tier 1 to save again (the job never stops for them). With ``checkpoint.s3.uri`` set each run
+writes under its own fresh prefix of it (:meth:`SoakRunner.setup_store`). For the store kind it
+also runs the uploader beside the baseline and the faulted run (:mod:`pretrain.soak.uploader`),
+the faulted run's endpoint behind the soak's proxy (:mod:`pretrain.soak.store_proxy`); it cuts
+the store, waits until the uploader records a failure, keeps the store cut a while, lets it
+answer again and waits until the uploader promotes a newer step. It never judges the outcome: the report
 (``pretrain.soak.report``) reads the run's own records for that. Called by ``pretrain soak``.
 """
 
@@ -34,6 +39,8 @@ from pretrain.resilience.phases import read_phases
 from pretrain.soak.inject import Injected, LiveRanks, inject, kill_tree, release
 from pretrain.soak.schedule import KINDS, PlannedFault
 from pretrain.soak.storage import StorageFaults
+from pretrain.soak.store_proxy import StoreProxy
+from pretrain.soak.uploader import Uploader, UploaderState
 
 REPO = Path(__file__).resolve().parents[2]
 FT_CONFIG = REPO / "configs" / "ft-cpu-sections.yaml"  # hangs found within a few step times
@@ -47,6 +54,21 @@ END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a
 # tight: a save plus its replication took over 3 s on a loaded 2-core machine (a false stall).
 TIER1_VOLUME_MB = 160
 STORAGE_SETTINGS = {"checkpoint.local.stall_timeout_s": 8.0, "checkpoint.local.probe_interval_s": 1.0}
+# The store kind: the uploader's S3 client gives up on a request that gets no answer after one try
+# of 2 s (a PUT waits 1 s more for its 100-continue; the defaults, 5 tries of 60 s, would keep one
+# outage going for minutes), polls each second, backs off at most 2 s while the store is down (so
+# it notices the store is back within seconds), and has a step to promote every 10 steps (staged
+# by the reshardable tier).
+STORE_SETTINGS = {
+    "checkpoint.s3.connect_timeout_s": 1.0,
+    "checkpoint.s3.read_timeout_s": 2.0,
+    "checkpoint.s3.max_attempts": 1,
+    "checkpoint.s3.poll_s": 1.0,
+    "checkpoint.s3.retry_max_s": 2.0,
+    "checkpoint.s3.interval": 10,
+}
+STORE_HELD_S = 2.0  # the store stays cut this long after the uploader recorded the failure
+UPLOADER_WAIT_S = 300.0  # for the uploader to record a failure, or a promotion after the store answers again
 
 
 @dataclass
@@ -70,7 +92,8 @@ class FaultEvent:
     gone_at: float | None = None  # every process of the hit attempt had exited (storage kinds: the job recorded it)
     relaunched_at: float | None = None  # job-level kinds: the job started again
     recorded: dict[str, Any] | None = None  # storage kinds: the event the job recorded the fault with
-    recovered_at: float | None = None  # storage kinds: tier 1 saved again after the fault was released
+    recovered_at: float | None = None  # storage kinds: tier 1 saved again; store kind: a newer step promoted
+    released_at: float | None = None  # storage and store kinds: the fault undone
 
 
 @dataclass
@@ -83,8 +106,10 @@ class RunTimes:
 class Job:
     """One job: an ``ft_launcher`` process, started again after a job-level fault."""
 
-    def __init__(self, cfg_path: Path, nproc: int, log: Path, max_restarts: int) -> None:
+    def __init__(self, cfg_path: Path, nproc: int, log: Path, max_restarts: int, uploader: bool = False) -> None:
         self.cfg_path = cfg_path
+        self.with_uploader = uploader  # the uploader beside the job, started with it, stopped at close
+        self.uploader: Uploader | None = None
         self.nproc = nproc
         self.log = log
         self.max_restarts = max_restarts
@@ -98,6 +123,8 @@ class Job:
         cmd = ft_launcher_command(self.cfg_path, nproc=self.nproc, ft_config=FT_CONFIG, max_restarts=self.max_restarts)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if self.with_uploader and self.uploader is None:  # one uploader across relaunches, as in production
+            self.uploader = Uploader(self.cfg_path, self.log.with_name("uploader.log"), env)
         return self.proc
 
     def wait(self, timeout: float) -> int:
@@ -110,6 +137,8 @@ class Job:
             kill_tree(self.proc)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
+        if self.uploader is not None:
+            self.uploader.stop()
         for tmp in self.tmpdirs:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -120,17 +149,47 @@ class SoakRunner:
         self.work = settings.workdir
         self.total_steps = settings.steps + SECOND_RESUME_STEPS
         self.storage: StorageFaults | None = None
-        self.storage_settings: dict[str, Any] = {}
+        self.fault_settings: dict[str, Any] = {}  # what the storage and store kinds need, in every run
+        self.proxy: StoreProxy | None = None  # the store kind: between the faulted run and the store
+        self.store_uri: str | None = None  # this soak's own prefix of checkpoint.s3.uri
 
     def setup_storage(self) -> None:
         """The faulted run's tier 1 on the storage mount (the storage kinds); call teardown_storage."""
-        self.storage_settings = dict(STORAGE_SETTINGS)
+        self.fault_settings.update(STORAGE_SETTINGS)
         root = self.run_root("faulted")
         self.storage = StorageFaults(root, root / "ckpt-local", TIER1_VOLUME_MB)
 
     def teardown_storage(self) -> None:
         if self.storage is not None:
             self.storage.stop()
+
+    def setup_store(self, cut: bool) -> None:
+        """Each run under its own prefix of ``checkpoint.s3.uri`` that no earlier run wrote (a first
+        attempt restores any newer step it finds in the store); ``cut`` (the store kind): the proxy
+        in front of ``checkpoint.s3.endpoint_url`` for the faulted run, and the uploader beside the
+        baseline and the faulted run. Call teardown_store."""
+        s3 = self.loaded().checkpoint.s3
+        assert s3.uri is not None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self.store_uri = f"{s3.uri.rstrip('/')}/soak-{stamp}-{os.getpid()}"
+        if cut:
+            assert s3.endpoint_url  # schedule.check_request refuses the store kind without one
+            self.fault_settings.update(STORE_SETTINGS)
+            self.proxy = StoreProxy(s3.endpoint_url)
+
+    def teardown_store(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+
+    def _store_items(self, name: str) -> list[str]:
+        """The run's own prefix, and with the proxy the run's endpoint (the proxy for the faulted
+        run); after the user's overrides: these must win."""
+        if self.store_uri is None:
+            return []
+        items = [f"checkpoint.s3.uri={self.store_uri}/{name}"]
+        if self.proxy is not None:
+            items.append(f"checkpoint.s3.endpoint_url={self.proxy.url if name == 'faulted' else self.proxy.upstream}")
+        return items
 
     # -- configuration --------------------------------------------------------------------------
     def run_root(self, name: str) -> Path:
@@ -153,9 +212,9 @@ class SoakRunner:
             # one machine stands for every node here: the replica shares its failure domain
             "checkpoint.replication.allow_same_domain": "true",
             "fault_tolerance.inject.trigger_dir": root / "triggers",
-            **self.storage_settings,
+            **self.fault_settings,
         }
-        items = [f"{k}={v}" for k, v in settings.items()] + list(self.s.overrides)
+        items = [f"{k}={v}" for k, v in settings.items()] + list(self.s.overrides) + self._store_items(name)
         cfg = load_config(self.s.config, items)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / "triggers", ignore_errors=True)  # a request no rank read must not fire in the next run
@@ -179,9 +238,12 @@ class SoakRunner:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
     # -- runs -----------------------------------------------------------------------------------
-    def plain_run(self, name: str, steps: int, log_name: str) -> RunTimes:
-        """A job without faults (the baseline, the second resume), to its end."""
-        job = Job(self.config(name, steps), self.s.nproc, self.run_root(name) / log_name, max_restarts=2)
+    def plain_run(self, name: str, steps: int, log_name: str, uploader: bool = False) -> RunTimes:
+        """A job without faults (the baseline, the second resume), to its end; ``uploader``: with the
+        uploader beside it when the soak has a store kind (the baseline: the faulted run has one)."""
+        cfg_path = self.config(name, steps)
+        log = self.run_root(name) / log_name
+        job = Job(cfg_path, self.s.nproc, log, max_restarts=2, uploader=uploader and self.proxy is not None)
         t0 = time.time()
         try:
             job.start()
@@ -195,13 +257,13 @@ class SoakRunner:
         Returns the run's times, the faults injected and why injection stopped early (or None)."""
         name = "faulted"
         cfg_path = self.config(name, self.s.steps)
-        job = Job(cfg_path, self.s.nproc, self.run_root(name) / "job.log", max_restarts=len(schedule) + 2)
-        local_root = self.run_root(name) / "ckpt-local" / RUN_ID
+        log = self.run_root(name) / "job.log"
+        job = Job(cfg_path, self.s.nproc, log, max_restarts=len(schedule) + 2, uploader=self.proxy is not None)
         events: list[FaultEvent] = []
         stopped: str | None = None
         t0 = time.time()
         try:
-            launcher = job.start()
+            job.start()
             hit: str | None = None
             for plan in schedule:
                 live, why = self._recovered(job, hit, events[-1] if events else None)
@@ -215,16 +277,9 @@ class SoakRunner:
                     stopped = f"the job was about to end before fault {plan.index + 1} ({plan.kind}) was due"
                     break
                 live = self._live(live.attempt) or live  # the pids as they are now
-                launcher = job.proc
-                assert launcher is not None
-                done = inject(
-                    plan.kind, plan.rank, live, launcher, self.run_root(name) / "triggers", local_root,
-                    plan.index, time.time(), self.storage,
-                )  # fmt: skip
-                event = FaultEvent(plan, live.attempt, done, sorted(live.pids.values()))
+                event = self._fault(job, plan, live)
                 events.append(event)
-                if KINDS[plan.kind].target == "storage":  # the job goes on: no new attempt to wait for
-                    self._storage_recovery(job, event)
+                if KINDS[plan.kind].target in ("storage", "store"):  # the job goes on: no new attempt
                     continue
                 hit = live.attempt
                 if KINDS[plan.kind].target == "job":
@@ -239,6 +294,60 @@ class SoakRunner:
             job.close()
         return RunTimes(t0, time.time(), rc), events, stopped
 
+    def _fault(self, job: Job, plan: PlannedFault, live: LiveRanks) -> FaultEvent:
+        """Inject ``plan`` into the live attempt; for a storage or store kind, also follow it to its
+        recovery (the job does not stop for those)."""
+        target = KINDS[plan.kind].target
+        before = self._uploader_before(job) if target == "store" else None
+        assert job.proc is not None
+        root = self.run_root("faulted")
+        done = inject(
+            plan.kind, plan.rank, live, job.proc, root / "triggers", root / "ckpt-local" / RUN_ID, plan.index,
+            time.time(), self.storage, self.proxy,
+        )  # fmt: skip
+        event = FaultEvent(plan, live.attempt, done, sorted(live.pids.values()))
+        if target == "storage":
+            self._storage_recovery(job, event)
+        elif target == "store":
+            self._store_recovery(job, event, before)
+        return event
+
+    def _uploader_before(self, job: Job) -> UploaderState | None:
+        """What the uploader had recorded just before the store is cut (its metrics page)."""
+        assert job.uploader is not None  # a soak with the store kind runs one beside the faulted run
+        return job.uploader.wait_read(UPLOADER_WAIT_S)
+
+    def _store_recovery(self, job: Job, event: FaultEvent, before: UploaderState | None) -> None:
+        """The store kind: wait until the uploader records a failed promotion, keep the store cut
+        ``STORE_HELD_S`` more, let it answer again, and wait until the uploader promotes a step newer
+        than the one it had when the store was cut (``before``; None: its metrics never answered,
+        the store answers again at once and the fault stays unrecorded)."""
+        up = job.uploader
+        if up is None or before is None:
+            event.injected.detail.update(release(event.plan.kind, None, self.proxy))
+            event.released_at = time.time()
+            return
+        try:
+            failed = up.wait_for(lambda s: s.store_failures > before.store_failures, UPLOADER_WAIT_S)
+            if failed is not None:
+                event.gone_at = failed.time
+                event.recorded = {
+                    "reason": "store",
+                    "uploader_failures_total": [before.store_failures, failed.store_failures],
+                    "promoted_step_at_fault": before.promoted_step,
+                    "time": failed.time,
+                }
+                time.sleep(STORE_HELD_S)
+        finally:
+            event.injected.detail.update(release(event.plan.kind, None, self.proxy))
+        event.released_at = time.time()
+        last = before.promoted_step if before.promoted_step is not None else -1
+        newer = up.wait_for(lambda s: s.promoted_step is not None and s.promoted_step > last, UPLOADER_WAIT_S)
+        if newer is not None:
+            event.recovered_at = newer.promoted_at or newer.time
+            if event.recorded is not None:
+                event.recorded["promoted_step_after"] = newer.promoted_step
+
     def _storage_recovery(self, job: Job, event: FaultEvent) -> None:
         """A storage fault: wait until the job records it (a tier-1 save failed or skipped with the
         kind's reason), release it, and wait until tier 1 saves again (or the job ends)."""
@@ -250,7 +359,7 @@ class SoakRunner:
             event.gone_at = event.recorded["time"] if event.recorded else None
         finally:
             release(event.plan.kind, self.storage)
-        released = time.time()
+        released = event.released_at = time.time()
         saved = self._wait_event(
             job, lambda e: e["event"] == "save" and e.get("tier") == "local" and e["time"] > released
         )

@@ -3,9 +3,10 @@
 Pure logic, no I/O. Building blocks:
 
 * :data:`KINDS`: every fault kind the soak injects, each a :class:`Kind` saying what it hits (one
-  rank, a node, the whole job, or tier 1's storage) and how the records must name it (``expect``:
-  the attempt record's class; for a storage kind the ``reason`` of the failed tier-1 save, since
-  the job does not stop);
+  rank, a node, the whole job, tier 1's storage, or the object store) and how the records must
+  name it (``expect``: the attempt record's class; for a storage kind the ``reason`` of the failed
+  tier-1 save, for the store kind the ``reason`` label of the uploader's failure counter, since the
+  job does not stop for either);
 * :func:`draw_schedule`: N faults drawn by one seeded generator: the kinds cycle through the
   requested ones in a shuffled order (every kind appears once before any repeats), each fault's rank
   is drawn uniformly, and its gap after the previous recovery is exponential with mean MTTI (a
@@ -14,7 +15,8 @@ Pure logic, no I/O. Building blocks:
   then does not depend on how fast the machine trains, which a short CI soak needs);
 * :func:`check_request`, :func:`check_fits`: bad input refused in one line each (an unknown kind,
   an MTTI shorter than a restart, a kind the configuration cannot survive or this machine cannot
-  inject, faults paced by steps that cannot all land before the run's last step).
+  inject, a store kind without an object store reached over the network, faults paced by steps
+  that cannot all land before the run's last step).
 
 ``pretrain.soak.inject`` turns a :class:`PlannedFault` into signals and trigger files;
 ``pretrain.soak.runner`` waits for each recovery before the next gap starts.
@@ -35,7 +37,7 @@ class SoakRequestError(PretrainError):
 @dataclass(frozen=True)
 class Kind:
     name: str
-    target: str  # "rank", "node", "job" or "storage" (tier 1's file system): what the fault hits
+    target: str  # "rank", "node", "job", "storage" (tier 1's file system) or "store" (tier 3's): what it hits
     expect: str  # the class the attempt record must give it (see pretrain.soak.report.recorded_class)
     help: str
 
@@ -59,9 +61,17 @@ KINDS: dict[str, Kind] = {
             "tier 1's writes block in the kernel (a FUSE mount's gate closed) until the job records the stall",
         ),
         Kind("full-disk", "storage", "disk_full", "tier 1's tmpfs filled from outside until a save fails, then freed"),
+        Kind(
+            "s3-unreachable",
+            "store",
+            "store",
+            "the object store stops answering (a proxy black-holes the uploader's connections) until the uploader "
+            "records failures, then answers again",
+        ),
     )
 }
 STORAGE_KINDS = [k.name for k in KINDS.values() if k.target == "storage"]
+STORE_KINDS = [k.name for k in KINDS.values() if k.target == "store"]
 
 
 # Steps a job may train between the moment a fault is due and the moment it acts: the runner polls
@@ -87,6 +97,8 @@ class Survivability:
     background_saves: bool = True  # checkpoint.async.enabled: only a background save has a stall deadline
     writer_process: bool = True  # the tier-1 writer is a process (async.mode auto/fork on CPU), not a thread
     cannot_mount: str | None = None  # why tier 1 cannot be put on a gated FUSE mount over a tmpfs here
+    s3_uri: str | None = None  # checkpoint.s3.uri: the object store the uploader promotes to
+    s3_endpoint: str | None = None  # checkpoint.s3.endpoint_url: where the soak's proxy forwards to
 
 
 def parse_kinds(spec: str | None) -> list[str]:
@@ -118,6 +130,7 @@ def check_request(
             f"than recovery; fix: pass --mtti {can.restart_s:g} or more"
         )
     _check_storage_kinds(kinds, can)
+    _check_store_kinds(kinds, can)
     if not can.replicated:
         lost = [k for k in kinds if KINDS[k].target in ("node", "job")]
         if lost:
@@ -150,6 +163,30 @@ def _check_storage_kinds(kinds: list[str], can: Survivability) -> None:
             "soak: kind blocked-write cannot be survived with a thread tier-1 writer (checkpoint.async.mode: thread: "
             "a thread stuck in a stalled write keeps its rank from exiting at the next fault); fix: set "
             "checkpoint.async.mode: auto or fork, or leave blocked-write out of --kinds"
+        )
+
+
+def _check_store_kinds(kinds: list[str], can: Survivability) -> None:
+    store = [k for k in kinds if k in STORE_KINDS]
+    if not store:
+        return
+    named = ", ".join(store)
+    sets = "--set checkpoint.s3.uri=s3://BUCKET/PREFIX --set checkpoint.s3.endpoint_url=http://HOST:PORT"
+    if not can.s3_uri:
+        raise SoakRequestError(
+            f"soak: kind {named} cuts the uploader off the object store, and checkpoint.s3.uri is not set (no "
+            f"uploader, no store); fix: pass {sets} (make soak starts a Ceph RGW), or leave {named} out of --kinds"
+        )
+    if can.s3_uri.startswith("file://"):
+        raise SoakRequestError(
+            f"soak: kind {named} cuts the network to the object store, and checkpoint.s3.uri {can.s3_uri} is a "
+            f"directory (no network to cut); fix: pass {sets}, or leave {named} out of --kinds"
+        )
+    if not can.s3_endpoint:
+        raise SoakRequestError(
+            f"soak: kind {named} puts a proxy in front of checkpoint.s3.endpoint_url, which is not set (the "
+            f"provider's default endpoint); fix: pass --set checkpoint.s3.endpoint_url=http://HOST:PORT (an "
+            f"S3-compatible store you may cut, e.g. a local Ceph RGW), or leave {named} out of --kinds"
         )
 
 
