@@ -54,6 +54,7 @@ SERVICE_GROUPS = {
     "tests/test_s3_identity.py": "s3",
     "tests/test_chunked_digests.py": "s3",
     "tests/test_cluster_s3_throttle.py": "s3",
+    "tests/test_soak_store.py": "s3",
     "tests/test_cluster_faults.py": "netns",
     "tests/test_cluster_memory_peer.py": "netns",
     "tests/test_cluster_netem.py": "netns",
