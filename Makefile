@@ -30,9 +30,10 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# pytest-xdist workers: two on this 2-core machine (the suite mostly waits on timeouts, restarts
-# and services: 23 min with one, 16 with two). Tests that share a machine-wide service run on one
-# worker per service, one at a time (tests/leftover_guard.py); `TEST_WORKERS=1` runs everything in turn.
+# pytest-xdist workers: two on this 2-core machine (the suite waits on timeouts, restarts and
+# services: 23 min with one worker, 13.5 with two and a standby process shared by each worker's
+# jobs). Tests that share a machine-wide service run on one worker per service, in turn
+# (tests/leftover_guard.py); `TEST_WORKERS=1` runs everything in turn.
 TEST_WORKERS ?= 2
 PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
