@@ -31,6 +31,7 @@ run restarts on 2 nodes) and a scale back up to 3, and is compared with an unint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -130,6 +131,16 @@ def _wait_committed(step_dir: Path, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _wait_saved(run_dir: Path, tier: str, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(json.JSONDecodeError):  # a line being appended
+            if any(e["event"] == "save" and e.get("tier") == tier and e.get("step") == step for e in events(run_dir)):
+                return
+        assert time.monotonic() < deadline, f"step {step} was never saved in tier {tier}"
+        time.sleep(0.05)
+
+
 def _run_faults(
     cluster: Cluster, work: Path, corpus: Path, base: Path, baseline: subprocess.Popen[str]
 ) -> dict[str, Any]:
@@ -141,6 +152,9 @@ def _run_faults(
     out: dict[str, Any] = {"last_before_cut": max(r["step"] for r in metric_rows(run_dir))}
     out["partition"] = _partition(cluster, run_dir, [work / f"nvme-{i}" for i in range(3)] + [work / "reshard"])
     wait_metric_step(run_dir, LOSS_AFTER, list(procs.values()))
+    # Step 20 is saved in the background: on a loaded machine its publish and replication can still
+    # be in flight at step 23. The loss comes once it is in tier 1 and replicated (its save event).
+    _wait_saved(run_dir, "local", 20)
     out["last_before_loss"] = max(r["step"] for r in metric_rows(run_dir))
     assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]  # its disk is the stale one
     out["fault"] = time.time()
