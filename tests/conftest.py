@@ -7,7 +7,7 @@ import pytest
 
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
-from tests.leftover_guard import session_env
+from tests.leftovers import session_env
 
 pytest_plugins = ["tests.leftover_guard"]
 

@@ -102,12 +102,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ServiceGr
     return ServiceGroupScheduling(config, log)
 
 
-def session_env() -> dict[str, str]:
-    """The environment of a service the session shares (S3, Slurm): not tied to the test that happened
-    to start it, so it is not killed after that test; the end-of-session check still covers it."""
-    return {k: v for k, v in os.environ.items() if k != leftovers.TEST_VAR}
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for nodeid, left in KILLED_AFTER_TESTS:
         listing = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in left)

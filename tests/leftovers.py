@@ -17,6 +17,13 @@ SESSION_VAR = "RP_TEST_SESSION"
 TEST_VAR = "RP_TEST_ID"
 
 
+def session_env() -> dict[str, str]:
+    """This process's environment less the current test's id: for a service the session shares (S3,
+    Slurm, the shared standby), not tied to the test that happened to start it, so it is not killed
+    after that test; the end-of-session check still covers it."""
+    return {k: v for k, v in os.environ.items() if k != TEST_VAR}
+
+
 def new_id() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -32,8 +32,8 @@ def address() -> str | None:
     global _server, _address
     if _server is not None and _server.poll() is None:
         return _address
-    env = {k: v for k, v in os.environ.items() if k != leftovers.TEST_VAR}  # it outlives the test
-    fd, log = tempfile.mkstemp(prefix="rp-standby-", suffix=".log")
+    env = leftovers.session_env()  # it outlives the test
+    fd, _ = tempfile.mkstemp(prefix="rp-standby-", suffix=".log")  # kept for reading after a failure
     with os.fdopen(fd, "wb") as output:
         _server = start_server(env, output)
     _address = env[wire.ENV]

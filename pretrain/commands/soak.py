@@ -158,7 +158,7 @@ def run_soak(
         if cfg.checkpoint.s3.uri:  # a fresh prefix per run; the store kind's proxy, kept for the second resume
             runner.setup_store(cut=bool(set(kinds) & set(STORE_KINDS)))
         base, (times, events, stopped) = baseline_and_faulted(runner, schedule, alongside)
-        restarted = any(KINDS[p.kind].target not in ("storage", "store") for p in schedule)
+        restarted = any(KINDS[p.kind].restarts for p in schedule)
         resume = second_resume(runner, steps, runner.run_dir("baseline"), restarted)
     finally:
         runner.teardown_store()

@@ -279,7 +279,7 @@ class SoakRunner:
                 live = self._live(live.attempt) or live  # the pids as they are now
                 event = self._fault(job, plan, live)
                 events.append(event)
-                if KINDS[plan.kind].target in ("storage", "store"):  # the job goes on: no new attempt
+                if not KINDS[plan.kind].restarts:  # the job goes on: no new attempt
                     continue
                 hit = live.attempt
                 if KINDS[plan.kind].target == "job":

@@ -41,6 +41,11 @@ class Kind:
     expect: str  # the class the attempt record must give it (see pretrain.soak.report.recorded_class)
     help: str
 
+    @property
+    def restarts(self) -> bool:
+        """Does the job restart for it? Not for tier 1's storage or the object store: it trains on."""
+        return self.target not in ("storage", "store")
+
 
 KINDS: dict[str, Kind] = {
     k.name: k

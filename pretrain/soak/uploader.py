@@ -84,13 +84,7 @@ class Uploader:
 
     def wait_read(self, timeout: float) -> UploaderState | None:
         """The first scrape that answers within ``timeout`` (None: it never did, or the uploader exited)."""
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.proc.poll() is None:
-            state = self.read()
-            if state is not None:
-                return state
-            time.sleep(POLL_S)
-        return None
+        return self.wait_for(lambda _: True, timeout)
 
     def wait_for(self, accept: Callable[[UploaderState], bool], timeout: float) -> UploaderState | None:
         """The first scrape ``accept`` takes within ``timeout``; None if none did or the uploader exited."""
