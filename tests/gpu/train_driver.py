@@ -51,7 +51,12 @@ from pretrain.train import train  # noqa: E402
 from tests.gpu.driver_args import parse_driver_args  # noqa: E402
 
 CONFIG = Path(__file__).with_name("gpu-check.yaml")
-FAULT_STEP = {"cuda": 17, "cpu": 6}  # the newest tier-1 step before it: 15 (every 5 steps) / 4 (every 2)
+# The newest tier-1 step before it: 15 (every 5 steps) / 6 (every 2), or, where the fault kills
+# that background write, the one before (10 / 4): a save waits for its predecessor to commit
+# (when_busy: wait), so that one is never older than the newest reshardable step (10 / 4). A
+# fault one step after a save (cpu: 6 after 4) could kill the only tier-1 write newer than the
+# reshardable step on a loaded machine, and the restart would rightly restore that instead.
+FAULT_STEP = {"cuda": 17, "cpu": 7}
 # The reshardable-restore run: the newest reshardable step before it is 10 / 4 (every 10 / 4 steps).
 RESHARD_FAULT_STEP = {"cuda": 12, "cpu": 6}
 LOSS_TOLERANCE = 0.02  # nats, per step, only where torch names a kernel that is not deterministic
