@@ -3,7 +3,8 @@ a standby server when the environment names one (as ``python -m pretrain`` is).
 
 Actions: ``report CODE`` (print what the rank sees, exit CODE), ``signal N`` (die of signal N),
 ``wait-term`` (print ready, exit 0 on SIGTERM), ``child`` (start a sleeping child, print both pids,
-sleep), ``orphan`` (start a sleeping child, print its pid, exit at once).
+sleep), ``orphan`` (start a sleeping child, print its pid, exit at once), ``gil`` (print its pid,
+then a thread takes the GIL and never gives it back: the trainer's deliberate deadlock).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import FrameType
 
+from pretrain.resilience.faults import hold_gil_forever
 from pretrain.resilience.standby.client import forward
 from pretrain.resilience.standby.wire import AGENT_ENV
 
@@ -50,6 +53,10 @@ def act(action: str, arg: str) -> int:
     if action == "wait-term":
         signal.signal(signal.SIGTERM, _on_term)
         print(f"ready {os.getpid()}", flush=True)
+        time.sleep(600)
+    if action == "gil":
+        print(json.dumps({"rank": os.getpid()}), flush=True)
+        threading.Thread(target=hold_gil_forever, daemon=True).start()
         time.sleep(600)
     if action in ("child", "orphan"):
         child = _sleeper()

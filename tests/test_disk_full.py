@@ -19,6 +19,7 @@ import torch
 from prometheus_client import generate_latest
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, save_state
+from pretrain.checkpointing.per_rank import load_verified_state, owned_tensors
 from pretrain.checkpointing.reporting import failure_reason
 from pretrain.observability.metrics import TrainingMetrics
 from tests.helpers import events, overrides_for, tmpfs, torchrun
@@ -59,6 +60,26 @@ def test_a_save_short_of_space_drops_older_steps_first_then_refuses_in_one_line(
     line = str(err.value)
     assert "\n" not in line and "disk full" in line and str(vol) in line and "fix:" in line
     assert "7340032" in line, line  # the bytes needed
+
+
+def test_a_restored_optimizer_keeps_no_mapping_of_the_step_so_deleting_it_frees_its_space(tmp_path: Path) -> None:
+    """Tier 1 loads a verified step mapped (no second read); a CPU optimizer given those tensors
+    would keep the file mapped for the life of the rank, and pruning that step on a full volume
+    would free nothing (found by the soak: a full tier 1 whose pruning failed on the file still in use)."""
+    model = torch.nn.Linear(64, 64)
+    adam = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    adam.step()
+    path = tmp_path / "state.pt"
+    torch.save({"optimizer": adam.state_dict()}, path)
+    restored = torch.optim.AdamW(model.parameters())
+    mapped = load_verified_state(path)
+    assert str(path) in Path("/proc/self/maps").read_text(), "the load is expected to map the file"
+    restored.load_state_dict(owned_tensors(mapped["optimizer"]))
+    del mapped
+    assert str(path) not in Path("/proc/self/maps").read_text(), "the restored optimizer still maps the step"
+    want = adam.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(restored.state_dict()["state"][0]["exp_avg"], want)
 
 
 def test_a_programming_error_in_a_writer_is_raised_not_reported_as_a_failed_save(tmp_path: Path) -> None:
@@ -107,8 +128,11 @@ def test_a_full_tier1_volume_prunes_and_moves_on_and_a_writer_bug_fails_the_atte
         rank0 = PosixTier(vol / "t" / "ranks", "rank-00000", run_id="t")
         newest = rank0.committed_steps()
     assert newest[:1] == [40], newest
-    assert not [e for e in events(job / "runs" / "t") if e.get("event") == "save_failed"]
+    recorded = events(job / "runs" / "t")
+    assert not [e for e in recorded if e.get("event") == "save_failed"]
     assert "dropped older steps" in (job / "job.log").read_text()
+    room = [e for e in recorded if e.get("event") == "room_made"]  # what an operator (and the soak) sees
+    assert room and all(e["tier"] == "local" and e["reason"] == "disk_full" and e["dropped"] for e in room), room
 
     bug = tmp_path / "bug"
     faults = {"fault_tolerance.inject.writer_fault": "bug", "fault_tolerance.inject.writer_fault_at_step": 20}

@@ -114,6 +114,26 @@ def test_a_killed_client_takes_its_rank_and_everything_the_rank_started(
         assert _gone(pids["child"], 5), "the rank's child outlived the rank's client"
 
 
+@pytest.mark.parametrize("wedge", ["sigstop", "gil"])
+def test_a_killed_client_takes_its_rank_even_when_the_rank_cannot_run(
+    server_env: tuple[dict[str, str], psutil.Process], wedge: str
+) -> None:
+    """A stopped rank (SIGSTOP) or one whose GIL a thread holds cannot run its own watcher thread:
+    the server ends it when the launcher kills the client (the soak's sigstop and gil faults)."""
+    env, _ = server_env
+    with _client(env, "gil" if wedge == "gil" else "child") as client:
+        assert client.stdout is not None
+        rank = json.loads(client.stdout.readline())["rank"]
+        if wedge == "sigstop":
+            os.kill(rank, signal.SIGSTOP)
+        else:  # the holder takes the GIL within the switch interval; the pulse of its state shows it
+            time.sleep(0.5)
+        assert psutil.Process(rank).status() in (psutil.STATUS_STOPPED, psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING)
+        client.kill()
+        client.wait()
+        assert _gone(rank, 5), f"the {wedge} rank outlived its client"
+
+
 def test_what_an_ended_rank_left_running_is_ended_with_it(server_env: tuple[dict[str, str], psutil.Process]) -> None:
     env, _ = server_env
     done = subprocess.run([*RANK, "orphan"], env=env, capture_output=True, text=True, timeout=120)

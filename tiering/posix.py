@@ -153,8 +153,12 @@ class PosixTier:
         """Delete steps beyond the policy (default: this tier's). Structural verification decides which
         steps count as kept; steps pinned by a live process (an upload in progress, say) are kept."""
         protected = set(protected) | self.pinned_steps()
+        committed = self.committed_steps()
+        for step in [s for s in self.step_dirs() if committed and s < committed[0] and s not in committed]:
+            # Left behind by an earlier deletion (see below): no longer committed, retried here.
+            shutil.rmtree(self.layout.step_dir(step), ignore_errors=True)
         verified = []
-        for step in self.committed_steps():
+        for step in committed:
             try:
                 read_manifest(self.layout.step_dir(step))
                 verified.append(step)
@@ -166,7 +170,13 @@ class PosixTier:
             # Remove the marker first: a crash mid-delete leaves an uncommitted step, never a torn committed one.
             (path / COMMITTED_NAME).unlink(missing_ok=True)
             fsync_dir(path)
-            shutil.rmtree(path)
+            try:
+                shutil.rmtree(path)
+            except OSError as exc:
+                # A file of it still open elsewhere (NFS renames it to .nfsXXXX, a FUSE filesystem
+                # to .fuse_hiddenXXXX) keeps the directory: the step is no longer committed, its
+                # space comes back when that file is closed, and the save that needed room goes on.
+                log.warning("%s: deleted step %d left behind (%s); freed when its open files close", path, step, exc)
         return doomed
 
     def status(self, verify: bool = True) -> list[StepStatus]:

@@ -37,7 +37,7 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.checkpointing.tier_health import STALLED, TierHealth, TierStalled, stall_deadline
+from pretrain.checkpointing.tier_health import DISK_FULL, STALLED, TierHealth, TierStalled, stall_deadline
 from pretrain.config import Config, ReplicationConfig
 from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
@@ -167,9 +167,24 @@ class PerRankCheckpoints:
         ranks_here = sum(1 for i in self.identities if i.node == self.node)
         return self._last_bytes * (1 + len(self.replicator.owners_held)) * ranks_here
 
-    def _make_room(self) -> list[int]:
-        """The volume is short of space: every store of this rank keeps only its newest verified step."""
-        return [step for store in self.stores() for step in store.make_room()]
+    def _make_room(self, step: int) -> list[int]:
+        """The volume is short of space for ``step``: every store of this rank keeps only its newest
+        verified step. Recorded as an event (``room_made``, reason ``disk_full``): a full volume the
+        tier moved on from is still one the operator must hear about. It may run in a forked writer:
+        an event is one appended line, safe from there."""
+        dropped = [s for store in self.stores() for s in store.make_room()]
+        if self._record_event is not None:
+            free = shutil.disk_usage(self.store.layout.steps_dir).free
+            self._record_event(
+                "room_made",
+                tier="local",
+                step=step,
+                reason=DISK_FULL,
+                dropped=dropped,
+                free_bytes=free,
+                error=f"{self.store.layout.steps_dir}: volume full; dropped steps {dropped} to save step {step}",
+            )
+        return dropped
 
     # -- stalled storage ---------------------------------------------------------------------------
     def stall_deadline(self) -> float:
@@ -249,7 +264,7 @@ class PerRankCheckpoints:
         holding the training thread in the kernel, where a SIGTERM could not end the rank either.
         Otherwise (GPU) it is written on this thread, unbounded."""
         if self._async_mode() != "fork":
-            tmp = self.publisher.begin(step, self._needed_bytes(), self._make_room)
+            tmp = self.publisher.begin(step, self._needed_bytes(), lambda: self._make_room(step))
             return tmp, write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing), None
         tmp, expected = self.store.layout.tmp_dir(step, self.attempt), self._needed_bytes()
         limit = self.stall_deadline()
@@ -257,7 +272,7 @@ class PerRankCheckpoints:
             limit = min(limit, max(0.0, deadline - time.monotonic()))
 
         def make_tmp_dir() -> None:
-            self.publisher.begin(step, expected, self._make_room)
+            self.publisher.begin(step, expected, lambda: self._make_room(step))
 
         write = BackgroundWrite("fork", payload, tmp / STATE_FILE, prepare=make_tmp_dir, hashing=self.hashing)
         outcome = write.poll(block=True, timeout=limit)
@@ -304,7 +319,7 @@ class PerRankCheckpoints:
             expected = self._needed_bytes()
 
             def make_tmp_dir() -> None:  # in the writer: a mkdir can stall behind writeback
-                self.publisher.begin(step, expected, self._make_room)
+                self.publisher.begin(step, expected, lambda: self._make_room(step))
 
             entry["write"] = BackgroundWrite(
                 mode, payload, tmp / STATE_FILE, fault, buffers, prepare=make_tmp_dir, hashing=self.hashing
@@ -618,8 +633,24 @@ def apply_payload(state: TrainingState, payload: dict[str, Any], where: Path) ->
     """Load a per-rank payload (tier 0 or tiers 1-2: the same format) into the training state."""
     apply_trainer_state(state, payload["trainer"], where)
     state.model.load_state_dict(payload["model"], strict=True)
-    state.optimizer.load_local_state_dict(payload["optimizer"])
+    on_cpu = all(p.device.type == "cpu" for p in state.model.parameters())
+    state.optimizer.load_local_state_dict(owned_tensors(payload["optimizer"]) if on_cpu else payload["optimizer"])
     restore_rng(payload["rank_state"]["rng"])
+
+
+def owned_tensors(value: Any) -> Any:
+    """``value`` with every tensor copied into memory of its own. A CPU optimizer keeps the tensors
+    it is given (a load to the same device and dtype is no copy): from :func:`load_verified_state`
+    they would be views of the mapped checkpoint file, which would then stay mapped for the life
+    of the rank, its disk space held after retention deletes it (a full tier 1 that pruning cannot
+    free) and its tier-0 slot memory with it. On GPU the load copies them to the device anyway."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: owned_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(owned_tensors(v) for v in value)
+    return value
 
 
 def load_verified_state(path: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pretrain.checkpointing.memory_tier import TierDisabled
 from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tier import TierSet
-from pretrain.checkpointing.tier_health import STALLED, TierStalled
+from pretrain.checkpointing.tier_health import DISK_FULL, STALLED, TierStalled
 from pretrain.observability.metrics import TrainingMetrics
 from pretrain.observability.runlog import RunLog
 from pretrain.resilience.attempts import AttemptLog
@@ -29,7 +29,7 @@ def failure_reason(exc: BaseException) -> str:
     ``checkpoint_save_failures_total``."""
     text = str(exc).lower()
     if isinstance(exc, DiskFull) or any(marker in text for marker in _DISK_FULL):
-        return "disk_full"
+        return DISK_FULL
     if isinstance(exc, TierStalled) or re.search(rf"\b{STALLED}\b", text):
         return STALLED
     if "timed out" in text or "deadline" in text:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 STALL_FLOOR_S = 60.0  # no deadline below this unless configured: a busy NVMe can take seconds
 STALL_FACTOR = 10.0  # x the slowest save seen: a 10x slowdown is a stall, not a slow disk
 STALLED = "stalled"  # how a stalled save's message starts (and its failure reason)
+DISK_FULL = "disk_full"  # the reason of a save (or of the room made for one) that found its volume full
 
 # What the probe process runs: the calls a save makes (create, write, fsync, rename, delete).
 _PROBE = """

@@ -28,7 +28,7 @@ from pretrain.observability.goodput import GoodputCollector
 from pretrain.observability.metrics import MetricsServer, TrainingMetrics
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.attempts import AttemptLog, record_failure
-from pretrain.resilience.failures import classify
+from pretrain.resilience.failures import Classification, classify
 from pretrain.resilience.job_policy import (
     confirmed_deterministic,
     failures_without_progress,
@@ -40,6 +40,7 @@ from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.preemption import PreemptionWatch, parse_signals
 from pretrain.resilience.restarts import launcher_restart_count, restart_counters
 from tiering.collective import Collective
+from tiering.errors import CheckpointError
 
 log = logging.getLogger("pretrain")
 
@@ -148,6 +149,12 @@ def fail_attempt(ctx: AttemptContext, exc: BaseException) -> None:
             abort()  # e.g. stop a background writer: its step will not be committed
         except Exception as abort_exc:  # the failure itself must still be recorded
             log.warning("rank %d: cleanup after the failure failed: %s", ctx.rank, abort_exc)
+    if ctx.watch.requested and _storage_or_peer_failure(exc):
+        # Told to leave, and the way out failed on storage or a peer (the emergency save lost a
+        # peer the launcher had already stopped, say): still a preemption, not an error to confirm
+        # by a second attempt (a soak recorded a SIGTERM to the launcher as rank 1's exception).
+        # A programming error stays one.
+        exc = _preempted_on_the_way_out(ctx, exc)
     info = classify(exc)
     record_failure(ctx.run_dir, ctx.id, ctx.rank, info)
     if isinstance(exc, PreemptedError):
@@ -167,6 +174,20 @@ def fail_attempt(ctx: AttemptContext, exc: BaseException) -> None:
         write_stop(ctx.run_dir, reason, rank=ctx.rank)
         stop_local_launcher()
         raise JobStopped(reason) from exc
+
+
+def _storage_or_peer_failure(exc: BaseException) -> bool:
+    if isinstance(exc, PreemptedError):
+        return False
+    infrastructure = classify(exc).classification == Classification.INFRASTRUCTURE.value
+    return infrastructure or isinstance(exc, CheckpointError | OSError)
+
+
+def _preempted_on_the_way_out(ctx: AttemptContext, exc: BaseException) -> PreemptedError:
+    outcome = f"emergency save not published: {classify(exc).exception}"
+    log.warning("rank %d: %s received; %s", ctx.rank, ctx.watch.signal_name, outcome)
+    ctx.records.end("preempted", None, signal=ctx.watch.signal_name, emergency=outcome, emergency_published=False)
+    return PreemptedError(f"{ctx.watch.signal_name}: {outcome}")
 
 
 def close_attempt(ctx: AttemptContext) -> None:

@@ -31,8 +31,13 @@ from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 # A rank whose pulse stopped this long before every other rank's hung (a kill is seen by its peers
-# at once; a hang only when the launcher's heartbeat or section timeout runs out).
-HUNG_GAP_S = 3.0
+# at once; a hang only when the launcher's heartbeat or section timeout runs out). Below the
+# shortest measured step timeout a hang can have: the slowest step x the safety factor (20) is
+# about 1-2 s for the tiny config running alone, where every rank's monitor kills its blocked rank
+# at once, so the peers' pulses outlive the hung one's by that timeout only (3 s read two hangs of
+# a long soak as "every rank ended without a report"). Kills stay well below it: their peers
+# report the lost connection within milliseconds.
+HUNG_GAP_S = 1.0
 
 ATTEMPT_GLOB = "attempt-*.json"
 _TAIL_BYTES = 1 << 20

@@ -86,13 +86,13 @@ def _maybe_triggered_fault(trigger_dir: Path, rank: int, step: int) -> None:
         # The id makes each one distinct: two in a row are two faults, not a bug repeating itself.
         raise RuntimeError(f"exception {ident} raised on request from outside at step {step}")
     if kind == "gil":
-        threading.Thread(target=_hold_gil_forever, name="gil-holder", daemon=True).start()
+        threading.Thread(target=hold_gil_forever, name="gil-holder", daemon=True).start()
         time.sleep(1.0)  # hands the GIL over; the main thread never gets it back
         return
     raise ValueError(f"{path}: unknown fault request {request!r}; fix: write 'exception ID' or 'gil ID'")
 
 
-def _hold_gil_forever() -> None:
+def hold_gil_forever() -> None:
     libc = ctypes.PyDLL(None)  # PyDLL keeps the GIL across the foreign call (CDLL releases it)
     while True:
         libc.pause()

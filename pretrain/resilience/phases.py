@@ -40,7 +40,7 @@ from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
-PULSE_S = 0.5  # how often a live rank touches its record
+PULSE_S = 0.2  # how often a live rank touches its record (an mtime: the hang gap is read to this)
 FATAL_SIGNALS = {"Segmentation fault": 11, "Bus error": 7, "Floating point exception": 8, "Aborted": 6}
 
 # In the order an attempt goes through them.

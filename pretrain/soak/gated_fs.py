@@ -125,7 +125,9 @@ class GatedPassthrough(Operations):
 def main() -> None:
     backing, mountpoint, gate = sys.argv[1:4]
     ops = GatedPassthrough(os.path.abspath(backing), os.path.abspath(gate))
-    FUSE(ops, mountpoint, foreground=True, nothreads=False)
+    # hard_remove: unlinking a file that is still open removes it, as on a local filesystem, instead
+    # of libfuse's rename to .fuse_hiddenNNN (which made deleting its directory fail, ENOTEMPTY).
+    FUSE(ops, mountpoint, foreground=True, nothreads=False, hard_remove=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ listening socket it was given (clients that came during the imports wait in its 
 It stays single-threaded, so a fork copies no lock held by another thread; it refuses to serve
 (and exits, so clients run their ranks themselves) if the imports started a thread or initialised
 CUDA, which a forked child cannot use. It reaps its children through pidfds and reports each wait
-status to the client that asked for it. It ends with its parent (``PR_SET_PDEATHSIG``, set by
+status to the client that asked for it. It watches each client too: when one ends, its rank's
+process group is SIGKILLed from here, because the rank's own watcher is a thread that cannot run
+while the rank is stopped (SIGSTOP) or a thread holds its GIL. It ends with its parent (``PR_SET_PDEATHSIG``, set by
 :mod:`.beside`); ranks already forked live on until their clients end.
 
 Run by :mod:`.beside`: ``python -m pretrain.resilience.standby.server FD``, FD a listening socket.
@@ -85,6 +87,7 @@ class Server:
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ)
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, its client's connection)
+        self.clients: dict[int, int] = {}  # a client's pidfd -> the pid of the rank it asked for
         self.groups: dict[int, float] = {}  # process group of an ended rank -> when to SIGKILL what is left
 
     def serve(self) -> RankRequest:
@@ -96,6 +99,8 @@ class Server:
                     request = self._accept()
                     if request is not None:
                         return request
+                elif key.fd in self.clients:
+                    self._client_ended(key.fd)
                 else:
                     self._reap(key.fd)
 
@@ -116,9 +121,11 @@ class Server:
         if pid == 0:
             self._become_child(conn)
             return request
-        for fd in fds:
+        for fd in fds[:3]:
             os.close(fd)
-        with contextlib.suppress(OSError):  # a client gone already: its rank sees that and ends itself
+        self.clients[fds[3]] = pid
+        self.selector.register(fds[3], selectors.EVENT_READ)
+        with contextlib.suppress(OSError):  # a client gone already: the watch above ends its rank
             wire.send(conn, {"pid": pid})
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (pid, conn)
@@ -130,6 +137,11 @@ class Server:
         _, status = os.waitpid(pid, 0)
         self.selector.unregister(pidfd)
         os.close(pidfd)
+        # Its pid is free for reuse from here on: stop watching its client, whose end would kill it.
+        for client_pidfd in [c for c, rank in self.clients.items() if rank == pid]:
+            del self.clients[client_pidfd]
+            self.selector.unregister(client_pidfd)
+            os.close(client_pidfd)
         with contextlib.suppress(OSError):  # the client is gone (killed with its launcher): nobody to tell
             wire.send(conn, {"status": status})
         conn.close()
@@ -139,6 +151,17 @@ class Server:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
             self.groups[pid] = time.monotonic() + GROUP_GRACE_S
+
+    def _client_ended(self, client_pidfd: int) -> None:
+        """The launcher killed (or lost) the client: its rank ends now, as it would have with the
+        client, even if it is stopped or wedged. The rank leads its own group after ``setsid``; a
+        rank forked a moment ago may not have called it yet, so the pid is killed as well."""
+        pid = self.clients.pop(client_pidfd)
+        self.selector.unregister(client_pidfd)
+        os.close(client_pidfd)
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
 
     def _kill_overdue_groups(self) -> None:
         now = time.monotonic()
@@ -153,6 +176,8 @@ class Server:
         for pidfd, (_pid, other) in self.children.items():
             other.close()
             os.close(pidfd)
+        for client_pidfd in self.clients:
+            os.close(client_pidfd)
         self.selector.close()
         self.listener.close()
         conn.close()

@@ -1,0 +1,63 @@
+"""How an attempt that fails is recorded, in-process: a real attempt record, real failure reports,
+a real preemption watch given a real SIGTERM. Told to leave, a rank whose way out fails on storage
+or a lost peer is still preempted (the soak's SIGTERM to the launcher); a programming error on the
+way out stays the user's error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pretrain.observability.metrics import TrainingMetrics
+from pretrain.resilience.attempt_guard import AttemptContext, fail_attempt
+from pretrain.resilience.attempts import AttemptLog, attempts_dir
+from pretrain.resilience.preemption import PreemptionWatch
+from tiering.errors import PublishError
+
+
+@pytest.fixture
+def preempted_ctx(tmp_path: Path) -> Iterator[AttemptContext]:
+    """Rank 0 of an attempt whose rank got SIGTERM (its watch installed, the signal delivered)."""
+    records = AttemptLog(tmp_path, enabled=True)
+    records.begin("attempt-00-abcdef12", 2, ["h0", "h1"], {})
+    watch = PreemptionWatch([signal.SIGTERM], timeout_s=600.0, on_deadline=lambda message: None)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not watch.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.requested
+        yield AttemptContext("attempt-00-abcdef12", 0, tmp_path, records, watch, TrainingMetrics("t"), None)
+    finally:
+        watch.finished()
+        watch.uninstall()
+
+
+def _outcome(run_dir: Path) -> tuple[dict[str, object], dict[str, object]]:
+    (record,) = [json.loads(p.read_text()) for p in attempts_dir(run_dir).glob("attempt-*.json")]
+    (report,) = [json.loads(p.read_text()) for p in (attempts_dir(run_dir) / "failures").glob("*.json")]
+    return record, report
+
+
+def test_a_storage_failure_on_the_way_out_of_a_preemption_is_recorded_as_the_preemption(
+    preempted_ctx: AttemptContext,
+) -> None:
+    fail_attempt(preempted_ctx, PublishError("step 40: the replica to rank 1 failed: connection reset"))
+    record, report = _outcome(preempted_ctx.run_dir)
+    assert record["status"] == "preempted" and record["emergency_published"] is False, record
+    assert "the replica to rank 1 failed" in str(record["emergency"]), record
+    assert report["classification"] == "preempted", report
+
+
+def test_a_programming_error_on_the_way_out_of_a_preemption_stays_a_user_error(
+    preempted_ctx: AttemptContext,
+) -> None:
+    fail_attempt(preempted_ctx, TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'"))
+    record, report = _outcome(preempted_ctx.run_dir)
+    assert report["classification"] == "user" and record["status"] == "failed", (record, report)
