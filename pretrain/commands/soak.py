@@ -12,8 +12,10 @@ baseline's, every attempt record names the fault injected and the second resume 
 from __future__ import annotations
 
 import shutil
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from pretrain.observability.goodput import format_goodput, goodput_from_records
@@ -118,6 +120,10 @@ def baseline_and_faulted(
         return base.result(), faulted
 
 
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_soak(
     config: str | None,
     faults: int,
@@ -131,6 +137,9 @@ def run_soak(
     data: str | None = None,
     overrides: list[str] | None = None,
 ) -> int:
+    # Stopped from outside (kill, a timeout): unwind, so that the finally blocks below and in the
+    # runner stop the jobs, the uploader, the object store proxy and the mounts it started.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     kinds = parse_kinds(kinds_spec)
     work = Path(workdir).resolve()
     runner = SoakRunner(SoakSettings(config, work, steps, overrides=list(overrides or []), data=check_data(data)))
