@@ -112,12 +112,16 @@ def baseline_and_faulted(
     steps, kinds = runner.s.steps, ", ".join(p.kind for p in schedule)
     print(f"[soak] baseline: {runner.total_steps} steps without faults" + (" (alongside)" if alongside else ""))
     with ThreadPoolExecutor(max_workers=1) as pool:
-        base = pool.submit(runner.plain_run, "baseline", runner.total_steps, "job.log", uploader=True)
-        if not alongside:
-            base.result()
-        print(f"[soak] faulted run: {steps} steps, {len(schedule)} faults: {kinds}", flush=True)
-        faulted = runner.faulted_run(schedule)
-        return base.result(), faulted
+        try:
+            base = pool.submit(runner.plain_run, "baseline", runner.total_steps, "job.log", uploader=True)
+            if not alongside:
+                base.result()
+            print(f"[soak] faulted run: {steps} steps, {len(schedule)} faults: {kinds}", flush=True)
+            faulted = runner.faulted_run(schedule)
+            return base.result(), faulted
+        except BaseException:
+            runner.stop_jobs()  # else leaving the pool would wait for the baseline to train to its end
+            raise
 
 
 def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:

@@ -152,6 +152,12 @@ class SoakRunner:
         self.fault_settings: dict[str, Any] = {}  # what the storage and store kinds need, in every run
         self.proxy: StoreProxy | None = None  # the store kind: between the faulted run and the store
         self.store_uri: str | None = None  # this soak's own prefix of checkpoint.s3.uri
+        self.jobs: list[Job] = []  # every job started, for stop_jobs (the baseline may run on a thread)
+
+    def stop_jobs(self) -> None:
+        """The soak is leaving early (stopped, or failed): end every job it started, on any thread."""
+        for job in self.jobs:
+            job.close()
 
     def setup_storage(self) -> None:
         """The faulted run's tier 1 on the storage mount (the storage kinds); call teardown_storage."""
@@ -244,6 +250,7 @@ class SoakRunner:
         cfg_path = self.config(name, steps)
         log = self.run_root(name) / log_name
         job = Job(cfg_path, self.s.nproc, log, max_restarts=2, uploader=uploader and self.proxy is not None)
+        self.jobs.append(job)
         t0 = time.time()
         try:
             job.start()
@@ -259,6 +266,7 @@ class SoakRunner:
         cfg_path = self.config(name, self.s.steps)
         log = self.run_root(name) / "job.log"
         job = Job(cfg_path, self.s.nproc, log, max_restarts=len(schedule) + 2, uploader=self.proxy is not None)
+        self.jobs.append(job)
         events: list[FaultEvent] = []
         stopped: str | None = None
         t0 = time.time()
