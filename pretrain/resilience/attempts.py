@@ -31,13 +31,16 @@ from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 # A rank whose pulse stopped this long before every other rank's hung (a kill is seen by its peers
-# at once; a hang only when the launcher's heartbeat or section timeout runs out). Below the
-# shortest measured step timeout a hang can have: the slowest step x the safety factor (20) is
-# about 1-2 s for the tiny config running alone, where every rank's monitor kills its blocked rank
-# at once, so the peers' pulses outlive the hung one's by that timeout only (3 s read two hangs of
-# a long soak as "every rank ended without a report"). Kills stay well below it: their peers
-# report the lost connection within milliseconds.
-HUNG_GAP_S = 1.0
+# at once; a hang only when the launcher's heartbeat or section timeout runs out). Outside the
+# training steps a killed rank's peers may go on for 2 s before they notice (seen in start-up and
+# in an emergency save), and hangs there wait for the setup or checkpointing timeout (minutes).
+HUNG_GAP_S = 3.0
+# In training a killed rank's peers notice within a step (their next collective fails), while a
+# hang is found by the measured step timeout: the slowest step x the safety factor (20), about
+# 1-2 s for the tiny config running alone, where every rank's monitor kills its blocked rank at
+# once, so the peers' pulses outlive the hung one's by that timeout only (3 s read two hangs of a
+# long soak as "every rank ended without a report").
+HUNG_GAP_TRAINING_S = 1.0
 
 ATTEMPT_GLOB = "attempt-*.json"
 _TAIL_BYTES = 1 << 20
@@ -218,7 +221,7 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
     if fatal:
         return _fatal_failure(fatal, where, reports)
     alive = {r: float(rec["last_alive"]) for r, rec in every.items() if "last_alive" in rec}
-    hung = _hung(alive, silent, reports)
+    hung = _hung(alive, silent, reports, {r: rec.get("phase") for r, rec in every.items()})
     if hung is not None:
         return _silent_failure(hung[0], where, record, reports, hung_for=hung[1])
     # A rank whose record says it was told to stop (SIGTERM from the launcher stopping the group)
@@ -228,10 +231,12 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
     return _silent_failure(silent, {r: where[r] for r in silent if r in where}, record, reports)
 
 
-def _hung(alive: dict[int, float], silent: list[int], reports: list[dict[str, Any]]) -> tuple[list[int], float] | None:
-    """The silent ranks whose pulse stopped ``HUNG_GAP_S`` or more before every other rank's, and
-    the gap; None when nothing stands out that far, or when a peer reported losing them (a kill:
-    peers see the connection close at once)."""
+def _hung(
+    alive: dict[int, float], silent: list[int], reports: list[dict[str, Any]], phase: dict[int, str | None]
+) -> tuple[list[int], float] | None:
+    """The silent ranks whose pulse stopped ``HUNG_GAP_S`` (``HUNG_GAP_TRAINING_S`` when they were
+    training) or more before every other rank's, and the gap; None when nothing stands out that
+    far, or when a peer reported losing them (a kill: peers see the connection close at once)."""
     if len(alive) < 2:
         return None
     first = min(alive.values())
@@ -241,8 +246,9 @@ def _hung(alive: dict[int, float], silent: list[int], reports: list[dict[str, An
         return None
     stopped = max(alive[r] for r in early)
     gap = min(later) - stopped
-    lost = any(rep.get("peer_lost") and rep.get("time", 0) < stopped + HUNG_GAP_S for rep in reports)
-    return (early, gap) if gap >= HUNG_GAP_S and not lost else None
+    least = HUNG_GAP_TRAINING_S if all(phase.get(r) == "training" for r in early) else HUNG_GAP_S
+    lost = any(rep.get("peer_lost") and rep.get("time", 0) < stopped + least for rep in reports)
+    return (early, gap) if gap >= least and not lost else None
 
 
 def _fatal_failure(
