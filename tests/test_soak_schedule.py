@@ -4,12 +4,14 @@ appears before any repeats, gaps average the MTTI, and each bad request is refus
 from __future__ import annotations
 
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pretrain.cli import main
+from pretrain.soak.runner import Job
 from pretrain.soak.schedule import (
     INJECTION_LATENCY_STEPS,
     KINDS,
@@ -128,3 +130,19 @@ def test_a_config_that_survives_a_stall_is_not_refused_for_the_storage_kinds() -
 def test_the_store_kind_is_not_refused_with_an_s3_uri_and_an_endpoint() -> None:
     check_request(parse_kinds("s3-unreachable,kill-rank"), 5, 30.0, Survivability(True, 4.0, **RGW))
     check_request(parse_kinds("kill-rank"), 5, 30.0, CAN)  # no store kind: no store needed
+
+
+def test_a_job_is_waited_for_as_long_as_it_logs_and_given_up_once_it_stops(tmp_path: Path) -> None:
+    """A long run is never cut for its length (a fixed cap killed a long soak's baseline half-way);
+    a job whose log stops growing is. Real processes writing a real log."""
+    log = tmp_path / "job.log"
+    job = Job(tmp_path / "unused.yaml", 2, log, max_restarts=0)
+    job.proc = subprocess.Popen(["sh", "-c", f"for i in 1 2 3 4; do echo step >> {log}; sleep 1; done"])
+    assert job.wait(idle_s=2.5) == 0  # 4 s in all, longer than idle_s: it kept logging
+    job.proc = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            job.wait(idle_s=2.0)
+    finally:
+        job.proc.kill()
+        job.proc.wait()

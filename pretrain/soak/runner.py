@@ -47,6 +47,9 @@ FT_CONFIG = REPO / "configs" / "ft-cpu-sections.yaml"  # hangs found within a fe
 RUN_ID = "soak"
 POLL_S = 0.05
 SECOND_RESUME_STEPS = 3  # steps the extra restart trains after the soak's run ended (its restore is the point)
+# How long the soak waits for a job that shows no sign of progress (its log does not grow), or
+# for one fault's recovery: a wedged job, not a long one. A run is never cut for its length (a
+# fixed 30 min cap killed the 20000-step baseline of a long soak half-way).
 JOB_TIMEOUT_S = 1800.0
 END_MARGIN_STEPS = 5  # no fault this close to the end: an in-rank fault needs a step to fire in
 # Storage kinds: tier 1 on a tmpfs this small (the tiny job keeps ~64 MB there), and a stall
@@ -127,9 +130,20 @@ class Job:
             self.uploader = Uploader(self.cfg_path, self.log.with_name("uploader.log"), env)
         return self.proc
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, idle_s: float) -> int:
+        """The job's exit code, however long it trains; TimeoutExpired once its log has not grown
+        for ``idle_s`` (every attempt logs its steps, and the launcher its restarts)."""
         assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
+        size, changed = -1, time.monotonic()
+        while True:
+            try:
+                return self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                now_size = self.log.stat().st_size if self.log.exists() else 0
+                if now_size != size:
+                    size, changed = now_size, time.monotonic()
+                elif time.monotonic() - changed > idle_s:
+                    raise
 
     def close(self) -> None:
         """Nothing of the job outlives the soak, whatever happened."""

@@ -94,7 +94,11 @@ class Server:
         while True:
             self._kill_overdue_groups()
             timeout = min(self.groups.values(), default=None)
-            for key, _ in self.selector.select(None if timeout is None else max(0.0, timeout - time.monotonic())):
+            ready = self.selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
+            # One event per select: handling it may close descriptors the rest of the batch names
+            # (a rank reaped drops its client's watch), and a number closed may be reused at once by
+            # the next accept; whatever else was ready is returned again by the next select.
+            for key, _ in ready[:1]:
                 if key.fileobj is self.listener:
                     request = self._accept()
                     if request is not None:
