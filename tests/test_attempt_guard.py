@@ -48,11 +48,20 @@ def _outcome(run_dir: Path) -> tuple[dict[str, object], dict[str, object]]:
 def test_a_storage_failure_on_the_way_out_of_a_preemption_is_recorded_as_the_preemption(
     preempted_ctx: AttemptContext,
 ) -> None:
-    fail_attempt(preempted_ctx, PublishError("step 40: the replica to rank 1 failed: connection reset"))
+    fail_attempt(preempted_ctx, PublishError("step 40: rank 1 could not commit its part: manifest.json missing"))
     record, report = _outcome(preempted_ctx.run_dir)
     assert record["status"] == "preempted" and record["emergency_published"] is False, record
-    assert "the replica to rank 1 failed" in str(record["emergency"]), record
+    assert "could not commit its part" in str(record["emergency"]), record
     assert report["classification"] == "preempted", report
+
+
+def test_a_lost_peer_after_the_launchers_sigterm_stays_a_lost_peer(preempted_ctx: AttemptContext) -> None:
+    """The launcher stopping a group whose rank 1 was killed sends rank 0 SIGTERM too: rank 0's
+    lost-peer error is not a preemption (the next attempt's diagnosis names rank 1)."""
+    fail_attempt(preempted_ctx, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    record, report = _outcome(preempted_ctx.run_dir)
+    assert record["status"] == "failed" and report["classification"] == "infrastructure", (record, report)
+    assert report["peer_lost"] is True, report
 
 
 def test_a_programming_error_on_the_way_out_of_a_preemption_stays_a_user_error(
