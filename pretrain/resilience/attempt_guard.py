@@ -28,7 +28,7 @@ from pretrain.observability.goodput import GoodputCollector
 from pretrain.observability.metrics import MetricsServer, TrainingMetrics
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.attempts import AttemptLog, record_failure
-from pretrain.resilience.failures import classify
+from pretrain.resilience.failures import FailureInfo, classify
 from pretrain.resilience.job_policy import (
     confirmed_deterministic,
     failures_without_progress,
@@ -149,12 +149,13 @@ def fail_attempt(ctx: AttemptContext, exc: BaseException) -> None:
             abort()  # e.g. stop a background writer: its step will not be committed
         except Exception as abort_exc:  # the failure itself must still be recorded
             log.warning("rank %d: cleanup after the failure failed: %s", ctx.rank, abort_exc)
-    if ctx.watch.requested and _storage_failure(exc):
+    info = classify(exc)
+    if ctx.watch.requested and _storage_failure(exc, info):
         # Told to leave, and the way out failed on storage: still a preemption, not an error to
         # confirm by a second attempt (a soak recorded a SIGTERM to the launcher as rank 1's
         # exception). A programming error stays one, and so does a lost peer (see _storage_failure).
-        exc = _preempted_on_the_way_out(ctx, exc)
-    info = classify(exc)
+        exc = _preempted_on_the_way_out(ctx, info)
+        info = classify(exc)
     record_failure(ctx.run_dir, ctx.id, ctx.rank, info)
     if isinstance(exc, PreemptedError):
         return
@@ -175,17 +176,17 @@ def fail_attempt(ctx: AttemptContext, exc: BaseException) -> None:
         raise JobStopped(reason) from exc
 
 
-def _storage_failure(exc: BaseException) -> bool:
+def _storage_failure(exc: BaseException, info: FailureInfo) -> bool:
     """A storage failure, not a lost peer: the launcher stopping a failed group sends the survivors
     SIGTERM too, and their lost-peer errors must stay what they are (a soak read the kill of rank 1
     as a preemption of rank 0)."""
-    if isinstance(exc, PreemptedError) or classify(exc).peer_lost:
+    if isinstance(exc, PreemptedError) or info.peer_lost:
         return False
     return isinstance(exc, CheckpointError | OSError)
 
 
-def _preempted_on_the_way_out(ctx: AttemptContext, exc: BaseException) -> PreemptedError:
-    outcome = f"emergency save not published: {classify(exc).exception}"
+def _preempted_on_the_way_out(ctx: AttemptContext, failed: FailureInfo) -> PreemptedError:
+    outcome = f"emergency save not published: {failed.exception}"
     log.warning("rank %d: %s received; %s", ctx.rank, ctx.watch.signal_name, outcome)
     ctx.records.end("preempted", None, signal=ctx.watch.signal_name, emergency=outcome, emergency_published=False)
     return PreemptedError(f"{ctx.watch.signal_name}: {outcome}")

@@ -6,8 +6,9 @@ It stays single-threaded, so a fork copies no lock held by another thread; it re
 CUDA, which a forked child cannot use. It reaps its children through pidfds and reports each wait
 status to the client that asked for it. It watches each client too: when one ends, its rank's
 process group is SIGKILLed from here, because the rank's own watcher is a thread that cannot run
-while the rank is stopped (SIGSTOP) or a thread holds its GIL. It ends with its parent (``PR_SET_PDEATHSIG``, set by
-:mod:`.beside`); ranks already forked live on until their clients end.
+while the rank is stopped (SIGSTOP) or a thread holds its GIL (the rank keeps that watcher for when
+this process is gone). It ends with its parent (``PR_SET_PDEATHSIG``, set by :mod:`.beside`);
+ranks already forked live on until their clients end.
 
 Run by :mod:`.beside`: ``python -m pretrain.resilience.standby.server FD``, FD a listening socket.
 """
