@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pretrain.errors import PreemptedError
 from pretrain.observability.metrics import TrainingMetrics
 from pretrain.resilience.attempt_guard import AttemptContext, fail_attempt
 from pretrain.resilience.attempts import AttemptLog, attempts_dir
@@ -70,3 +73,50 @@ def test_a_programming_error_on_the_way_out_of_a_preemption_stays_a_user_error(
     fail_attempt(preempted_ctx, TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'"))
     record, report = _outcome(preempted_ctx.run_dir)
     assert report["classification"] == "user" and record["status"] == "failed", (record, report)
+
+
+_DEADLINE_RACE = """
+import os, signal, sys, time
+from pathlib import Path
+from pretrain.errors import PreemptedError
+from pretrain.observability.metrics import TrainingMetrics
+from pretrain.resilience.attempt_guard import AttemptContext, fail_attempt
+from pretrain.resilience.attempts import AttemptLog, record_failure
+from pretrain.resilience.failures import classify
+from pretrain.resilience.preemption import PreemptionWatch
+
+run_dir = Path(sys.argv[1])
+records = AttemptLog(run_dir, enabled=True)
+records.begin("attempt-00-abcdef12", 2, ["h0", "h1"], {})
+
+def deadline_passed(message):  # as the attempt guard's, then slow: the main thread runs meanwhile
+    record_failure(run_dir, "attempt-00-abcdef12", 0, classify(PreemptedError(message)))
+    records.end("preempted", None, emergency=message)
+    time.sleep(1.0)
+
+watch = PreemptionWatch([signal.SIGTERM], timeout_s=0.05, on_deadline=deadline_passed)
+ctx = AttemptContext("attempt-00-abcdef12", 0, run_dir, records, watch, TrainingMetrics("t"), None)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.3)  # past the deadline: the watchdog is recording the preemption
+# the peer left at its own deadline: this rank's collective fails on the lost peer
+fail_attempt(ctx, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+print("the main thread recorded its failure after the deadline", flush=True)
+time.sleep(5)
+"""
+
+
+def test_past_the_deadline_the_watchdogs_preemption_record_stands(tmp_path: Path) -> None:
+    """A CI run recorded a preemption as a failure: rank 0's watchdog recorded it at the deadline,
+    then its main thread, failing on the peer that had left at its own deadline, overwrote it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEADLINE_RACE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == PreemptedError.EXIT_CODE, proc.stdout + proc.stderr
+    assert "after the deadline" not in proc.stdout, proc.stdout
+    record, report = _outcome(tmp_path)
+    assert record["status"] == "preempted" and "did not finish" in str(record["emergency"]), record
+    assert report["classification"] == "preempted", report

@@ -169,8 +169,9 @@ class CheckpointManager:
         if self.report.rank == 0:
             log.warning("%s received: %s; exiting %d", watch.signal_name, outcome, PreemptedError.EXIT_CODE)
         self.report.runlog.event("preempted", signal=watch.signal_name, step=step, published=published, outcome=outcome)
-        self.report.records.end(
-            "preempted", step, signal=watch.signal_name, emergency=outcome, emergency_published=published
-        )
+        with watch.ending():  # a watchdog that fired first has recorded the end; it stands
+            self.report.records.end(
+                "preempted", step, signal=watch.signal_name, emergency=outcome, emergency_published=published
+            )
         self.monitor.close()
         raise PreemptedError(f"{watch.signal_name}: {outcome}")

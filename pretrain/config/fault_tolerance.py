@@ -65,7 +65,7 @@ class InprocessConfig:
     """NVRx in-process restart: a fault re-runs training in the same processes (seconds)."""
 
     enabled: bool = False  # wrap training in NVRx's inprocess.Wrapper
-    store_port: int | None = None  # the Wrapper's TCP store (and +1 for process groups); default MASTER_PORT+2
+    store_port: int | None = None  # the Wrapper's TCP store (+1: process groups); default: free ports rank 0 picks
     keep_host_copy: bool = True  # keep the newest tier-1 step in host memory for a disk-free restore
     monitor_interval: float = 0.1  # seconds between the Wrapper's monitor, heartbeat and progress checks
     last_call_wait: float = 0.1  # seconds to gather other ranks' faults after the first

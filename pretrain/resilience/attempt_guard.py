@@ -149,6 +149,11 @@ def fail_attempt(ctx: AttemptContext, exc: BaseException) -> None:
             abort()  # e.g. stop a background writer: its step will not be committed
         except Exception as abort_exc:  # the failure itself must still be recorded
             log.warning("rank %d: cleanup after the failure failed: %s", ctx.rank, abort_exc)
+    with ctx.watch.ending():
+        _end_failed_attempt(ctx, exc)
+
+
+def _end_failed_attempt(ctx: AttemptContext, exc: BaseException) -> None:
     info = classify(exc)
     if ctx.watch.requested and _storage_failure(exc, info):
         # Told to leave, and the way out failed on storage: still a preemption, not an error to

@@ -19,6 +19,7 @@ import datetime
 import gc
 import logging
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -59,6 +60,40 @@ def _ports_to_keep(cfg: Config, store_ports: list[int]) -> list[int]:
     return ports
 
 
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports no socket on this host holds now (all bound at once, so distinct)."""
+    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def _store_ports(ipc_store_port: int | None, host: str, rank: int, timeout: datetime.timedelta) -> tuple[int, int]:
+    """The Wrapper's store port and the process groups' store port.
+
+    A configured ``store_port`` wins (and +1). Under torchrun or ft_launcher, rank 0 picks two
+    free ports and hands them to the others through the launcher's own store: MASTER_PORT+2 is
+    an ephemeral port that another job's connection may hold (a CI run met EADDRINUSE there).
+    Without a launcher store, MASTER_PORT+2 and +3 are the only ports every rank can agree on.
+    """
+    if ipc_store_port:
+        return ipc_store_port, ipc_store_port + 1
+    master_port = int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return master_port + 2, master_port + 3
+    agent = dist.TCPStore(host, master_port, is_master=False, timeout=timeout)
+    # One key per launcher round: the store outlives the round's ranks.
+    key = f"pretrain/inprocess-ports/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        agent.set(key, " ".join(str(port) for port in _free_ports(2)))
+    wrapper_port, groups_port = (int(p) for p in agent.get(key).decode().split())
+    return wrapper_port, groups_port
+
+
 def _freeze_long_lived_objects() -> None:
     """Keep modules out of the collections a restart runs.
 
@@ -95,16 +130,16 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
 
     ipc = cfg.fault_tolerance.inprocess
     host = os.environ["MASTER_ADDR"]
-    base_port = ipc.store_port or int(os.environ["MASTER_PORT"]) + 2
-    connections = IncarnationConnections(keep_ports=_ports_to_keep(cfg, [base_port, base_port + 1]))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    wrapper_port, groups_port = _store_ports(ipc.store_port, host, rank, _seconds(ipc.barrier_timeout))
+    connections = IncarnationConnections(keep_ports=_ports_to_keep(cfg, [wrapper_port, groups_port]))
     # The store the process groups rendezvous on: made once, a fresh prefix per incarnation.
     pg_store = dist.TCPStore(
-        host, base_port + 1, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False
+        host, groups_port, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     wrapper = inprocess.Wrapper(
-        store_kwargs={"port": base_port, "timeout": _seconds(ipc.barrier_timeout)},
+        store_kwargs={"port": wrapper_port, "timeout": _seconds(ipc.barrier_timeout)},
         # Compose applies right to left: NCCL's abort first, then gloo's connections.
         abort=inprocess.Compose(AbortIncarnationConnections(), inprocess.abort.AbortTorchDistributed()),
         finalize=ResetTrainingState(),

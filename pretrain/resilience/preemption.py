@@ -15,7 +15,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from pretrain.errors import PreemptedError
@@ -52,6 +53,10 @@ class PreemptionWatch:
         self.deadline: float | None = None  # time.monotonic() by which the emergency save must be published
         self._on_deadline = on_deadline
         self._done = threading.Event()
+        # Held while a thread records how the attempt ended: the watchdog's record, written just
+        # before the process exits, must never be overwritten by the main thread's (a peer that
+        # left at its own deadline made a CI run record the preemption as a failure).
+        self._ending = threading.Lock()
         self._previous: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in signals:
@@ -76,10 +81,18 @@ class PreemptionWatch:
             f"{self.signal_name}: the emergency save did not finish within "
             f"fault_tolerance.emergency_save_timeout={self.timeout_s}s; exiting without publishing it"
         )
+        self._ending.acquire()  # never released: the process exits holding it
         try:
             self._on_deadline(message)
         finally:
             os._exit(PreemptedError.EXIT_CODE)
+
+    @contextmanager
+    def ending(self) -> Iterator[None]:
+        """Record the attempt's end inside this: past the deadline, the watchdog's record stands
+        (a thread waiting here then exits with the process)."""
+        with self._ending:
+            yield
 
     def finished(self) -> None:
         """The emergency path is over (saved or given up): disarm the watchdog."""
