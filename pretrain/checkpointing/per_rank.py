@@ -170,13 +170,17 @@ class PerRankCheckpoints:
     def _make_room(self, step: int) -> list[int]:
         """The volume is short of space for ``step``: every store of this rank keeps only its newest
         verified step. Recorded as an event (``room_made``, reason ``disk_full``): a full volume the
-        tier moved on from is still one the operator must hear about. It may run in a forked writer:
-        an event is one appended line, safe from there."""
+        tier moved on from is still one the operator must hear about. Every rank records its own
+        (``force``): the ranks of a node share its volume, and whichever checks first makes the
+        room (under load a CI run saw only rank 1 do it, and the event was lost). It may run in a
+        forked writer: an event is one appended line, safe from there."""
         dropped = [s for store in self.stores() for s in store.make_room()]
-        if self._record_event is not None:
+        if dropped and self._record_event is not None:  # nothing dropped: the save fails, recorded so
             free = shutil.disk_usage(self.store.layout.steps_dir).free
             self._record_event(
                 "room_made",
+                force=True,
+                rank=self.rank,
                 tier="local",
                 step=step,
                 reason=DISK_FULL,

@@ -32,7 +32,15 @@ done
 OSD_UUID=$(cat /proc/sys/kernel/random/uuid)
 OSDID=$(timeout 30 ceph -c "$CONF" osd create "$OSD_UUID")
 ceph-osd -c "$CONF" -i "$OSDID" --mkfs --osd-uuid "$OSD_UUID" 2>/dev/null
-ceph-osd -c "$CONF" -i "$OSDID" 2>/dev/null
+# Under load the OSD can send its first monitor command before it holds the cluster's fsid: the
+# monitor refuses it ("wrong fsid" in osd.0.log), the OSD's init fails and ceph-osd exits non-zero
+# (a CI run lost all three of the suite's tries to it). Its store is made: start it again.
+for osd_try in 1 2 3 4; do
+  ceph-osd -c "$CONF" -i "$OSDID" 2>/dev/null && break
+  [ $osd_try -lt 4 ] || { echo "start-rgw: osd.$OSDID failed to start 4 times; see $STATE_DIR/log" >&2; exit 1; }
+  echo "start-rgw: osd.$OSDID failed its start ($(tail -n 1 "$STATE_DIR/log/osd.$OSDID.log")); starting it again" >&2
+  sleep 1
+done
 until timeout 10 ceph -c "$CONF" osd stat 2>/dev/null | grep -q "1 up"; do
   [ $SECONDS -lt $deadline ] || { echo "start-rgw: OSD did not come up; see $STATE_DIR/log" >&2; exit 1; }
   sleep 0.5
