@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -17,7 +16,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 from torch.utils.data import Dataset
 
-from pretrain.checkpointing.shared_storage import check_shared
 from pretrain.checkpointing.state import TrainingState
 from pretrain.checkpointing.tiered import TieredCheckpointer
 from pretrain.config import Config, ParallelConfig, data_parallel_size
@@ -94,21 +92,16 @@ def _training_state(
     return TrainingState(cfg, model, optimizer, scheduler, sampler, topology, snapshot_id(cfg.data))
 
 
-def build_session(
-    cfg: Config, rank: int, world: int, attempt: str, phases: PhaseRecord | None = None, check_storage: bool = True
-) -> Session:
+def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: PhaseRecord | None = None) -> Session:
     """Collective. The rank monitor connects first: the ``setup`` section covers the rest and the restore.
-    ``check_storage``: refuse a reshardable tier that not every rank sees (training writes it;
-    ``pretrain evaluate`` only reads)."""
+    (A reshardable tier that not every rank sees is refused by the tier's ``prepare``, once its
+    storage answered a probe: a check here would block on stalled shared storage.)"""
     monitor = RankMonitor(cfg.fault_tolerance)
     monitor.start("setup")  # ends once the restore is done
     if phases is not None:
         phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)
     _init_model_parallel(cfg)
     coll = TorchCollective()
-    if check_storage and cfg.checkpoint.reshardable.enabled:  # refused now, not at the first reshardable save hours in
-        node = os.environ.get("NODE_NAME") or os.uname().nodename
-        check_shared(Path(cfg.checkpoint.reshardable.dir) / cfg.run.id, attempt, coll, node)
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     dataset, valid = build_datasets(cfg)

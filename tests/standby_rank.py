@@ -4,7 +4,9 @@ a standby server when the environment names one (as ``python -m pretrain`` is).
 Actions: ``report CODE`` (print what the rank sees, exit CODE), ``signal N`` (die of signal N),
 ``wait-term`` (print ready, exit 0 on SIGTERM), ``child`` (start a sleeping child, print both pids,
 sleep), ``orphan`` (start a sleeping child, print its pid, exit at once), ``gil`` (print its pid,
-then a thread takes the GIL and never gives it back: the trainer's deliberate deadlock).
+then a thread takes the GIL and never gives it back: the trainer's deliberate deadlock),
+``stuck-write PATH`` (print its pid, then write PATH: on a closed gated mount the write waits in
+the kernel), ``stuck-thread PATH`` (a daemon thread writes PATH; print the pid, exit 3 at once).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def _sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 
+def _write(path: str) -> None:
+    with open(path, "wb", buffering=0) as fh:
+        fh.write(b"x" * 4096)
+
+
 def act(action: str, arg: str) -> int:
     if action == "report":
         return _report(arg)
@@ -58,6 +65,15 @@ def act(action: str, arg: str) -> int:
         print(json.dumps({"rank": os.getpid()}), flush=True)
         threading.Thread(target=hold_gil_forever, daemon=True).start()
         time.sleep(600)
+    if action in ("stuck-write", "stuck-thread"):
+        print(json.dumps({"rank": os.getpid()}), flush=True)
+        write = threading.Thread(target=_write, args=(arg,), daemon=True)
+        if action == "stuck-write":
+            _write(arg)
+            return 0
+        write.start()
+        time.sleep(0.5)  # the thread is in the kernel by then
+        return 3
     if action in ("child", "orphan"):
         child = _sleeper()
         print(json.dumps({"rank": os.getpid(), "child": child.pid}), flush=True)

@@ -109,6 +109,9 @@ def test_bad_config_names_key_file_and_fix(tmp_path: Path, text: str, overrides:
         (["parallel.pp=2"], 2, "model.untie_embeddings"),
         (["fault_tolerance.inject.kill_rank=5"], 2, "fault_tolerance.inject.kill_rank"),
         (["checkpoint.integrity.chunk_mb=2048"], 1, "checkpoint.integrity.chunk_mb"),
+        (["checkpoint.local.stall_timeout_s=0"], 1, "checkpoint.local.stall_timeout_s"),
+        (["checkpoint.reshardable.stall_timeout_s=-1"], 1, "checkpoint.reshardable.stall_timeout_s"),
+        (["checkpoint.reshardable.probe_interval_s=0"], 1, "checkpoint.reshardable.probe_interval_s"),
     ],
 )
 def test_impossible_combinations_fail_validation(overrides: list[str], world: int, key: str) -> None:

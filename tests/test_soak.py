@@ -52,6 +52,9 @@ def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_pa
     assert parts == pytest.approx(g["wall_s"], abs=0.005), g  # a partition: each part rounded to the ms
     assert "recovery success     : 100%" in proc.stdout and "goodput (faulted run" in proc.stdout
     assert "fault -> next step, median s: detection | launcher_restart" in proc.stdout
+    projection = report["goodput"]["planner_projection"]  # the planner's figure for the measured costs
+    assert 0 < projection["projected"] <= 1 and projection["inputs"]["restarts"] >= 1, projection
+    assert "planner's projection :" in proc.stdout
     md = (work / "soak-report.md").read_text()
     assert "Result: **PASS**" in md and md.count("| yes |") == 6
     png = (work / "soak-timeline.png").read_bytes()

@@ -1,6 +1,7 @@
 """The soak report, in-process: the seconds from a fault to the next attempt's first step are split
 at the boundaries the records hold, and the parts add up to the whole; a store fault is judged by
-the uploader's own metrics (read from a real exporter's page) and by no attempt starting meanwhile."""
+the uploader's own metrics (read from a real exporter's page) and by no attempt starting meanwhile;
+the planner's goodput is computed from the costs the soak measured."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from pretrain.soak.inject import Injected
+from pretrain.soak.projection import planner_projection, projection_line
 from pretrain.soak.report import BREAKDOWN, fault_row, recovery_breakdown
 from pretrain.soak.runner import FaultEvent
 from pretrain.soak.schedule import PlannedFault
@@ -76,3 +78,30 @@ def test_a_store_fault_is_a_mismatch_when_an_attempt_started_meanwhile_or_nothin
     assert not restarted["record_matches"] and restarted["restarted_during"] == ["b"]
     silent = fault_row(_store_event(False), attempts[:1], [], [], 0.0)
     assert not silent["record_matches"] and silent["recorded_class"] == "not recorded" and silent["detection_s"] is None
+
+
+def test_the_planners_projection_takes_the_costs_the_soak_measured() -> None:
+    """1 - save/interval - (restart + interval/2) / MTBF, every input measured: 0.1 s steps and 5 %
+    of the baseline's time in checkpoints at a 10-step interval (save 0.05 s every 1 s), two
+    restarts of 2 and 4 s in 100 s of wall (MTBF 50 s): 1 - 0.05 - 3.5 / 50 = 0.88. A fault that
+    does not restart the job (a full disk) is not an interruption."""
+    report = {
+        "faults": [
+            {"kind": "kill-rank", "fault_to_next_step_s": 2.0, "lost_steps": 4},
+            {"kind": "sigsegv", "fault_to_next_step_s": 4.0, "lost_steps": 6},
+            {"kind": "full-disk", "fault_to_next_step_s": 1.0, "lost_steps": 0},
+        ],
+        "goodput": {
+            "faulted": {"wall_s": 100.0, "goodput_ratio": 0.8},
+            "baseline": {"wall_s": 100.0, "productive_s": 90.0, "steps_run": 900, "badput_s": {"checkpoint": 5.0}},
+        },
+    }
+    projection = planner_projection(report, interval_steps=10)
+    assert projection["projected"] == pytest.approx(0.88)
+    inputs = projection["inputs"]
+    assert (inputs["mtbf_s"], inputs["restarts"], inputs["restart_s"]) == (50.0, 2, 3.0)
+    assert (inputs["interval_s"], inputs["save_s"]) == (pytest.approx(1.0), pytest.approx(0.05))
+    assert inputs["lost_work_model_s"] == 0.5 and inputs["lost_work_measured_s"] == pytest.approx(0.5)
+    assert projection_line(projection).startswith("planner's projection : 88.0% for the measured costs against 80.0%")
+    report["faults"] = report["faults"][2:]
+    assert planner_projection(report, 10)["projected"] is None

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pretrain.cli import main
-from pretrain.soak.runner import Job
+from pretrain.soak.runner import Job, SoakRunner, SoakSettings
 from pretrain.soak.schedule import (
     INJECTION_LATENCY_STEPS,
     KINDS,
@@ -146,3 +146,23 @@ def test_a_job_is_waited_for_as_long_as_it_logs_and_given_up_once_it_stops(tmp_p
     finally:
         job.proc.kill()
         job.proc.wait()
+
+
+def test_each_run_of_a_soak_gets_its_own_new_tier_0_directory(tmp_path: Path) -> None:
+    """With tier 0 on, the baseline beside the faulted run must not share its slots, and no run may
+    find an earlier soak's slots of the same run id (its first start would restore them)."""
+    shm = tmp_path / "shm"
+    overrides = ["checkpoint.memory.enabled=true", f"checkpoint.memory.dir={shm}"]
+    runner = SoakRunner(SoakSettings(str(TINY), tmp_path / "soak", 20, overrides=overrides, data=tmp_path / "c"))
+    runner.setup_memory()
+    dirs = {
+        name: yaml.safe_load(runner.config(name, 20).read_text())["checkpoint"]["memory"]["dir"]
+        for name in ("baseline", "faulted")
+    }
+    assert dirs["baseline"] != dirs["faulted"] and all(d.startswith(f"{shm}/soak-") for d in dirs.values()), dirs
+    Path(dirs["faulted"]).mkdir(parents=True)
+    runner.teardown_memory()
+    assert not Path(dirs["faulted"]).exists()
+    again = SoakRunner(SoakSettings(str(TINY), tmp_path / "soak", 20, overrides=overrides, data=tmp_path / "c"))
+    again.setup_memory()
+    assert again.memory_root != runner.memory_root

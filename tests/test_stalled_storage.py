@@ -20,7 +20,14 @@ import pytest
 
 from pretrain.checkpointing.per_rank import PerRankCheckpoints
 from pretrain.checkpointing.reporting import failure_reason
-from pretrain.checkpointing.tier_health import STALL_FLOOR_S, TierHealth, TierStalled, stall_deadline
+from pretrain.checkpointing.tier_health import (
+    STALL_FLOOR_S,
+    TierHealth,
+    TierStalled,
+    WriteProgress,
+    stall_deadline,
+    written_bytes,
+)
 from pretrain.config import Config
 from tests.helpers import REPO
 from tests.test_restore_selection import _cfg, _save, _state, _tiers, _train_to
@@ -199,6 +206,49 @@ def test_the_health_probe_marks_a_stalled_tier_healthy_only_when_the_storage_ans
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert health.healthy and health.reason is None
+
+
+# A writer as Megatron's is: a process whose child does the writing, 4 KB every 20 ms.
+_WRITER_TREE = """
+import os, sys, time
+if os.fork() == 0:
+    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
+    while True:
+        os.write(fd, b"x" * 4096)
+        time.sleep(0.02)
+os.wait()
+"""
+
+
+def _idle_after(progress: WriteProgress, seconds: float) -> float:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        idle = progress.idle_s()
+        time.sleep(0.05)
+    return idle
+
+
+def test_write_progress_counts_what_a_writers_children_write_and_stops_at_a_stalled_write(
+    tmp_path: Path, gated: GatedMount
+) -> None:
+    """The reshardable tier's stall deadline counts from the writer's last written byte: a
+    write that moves is never a stall, one stuck in the kernel is, read without touching the mount."""
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER_TREE, str(gated.mountpoint / "shard.distcp")])
+    try:
+        progress = WriteProgress(proc.pid)
+        assert _idle_after(progress, 1.0) < 0.8, "the child's writes are the writer's progress"
+        gated.close(only=(".distcp",))
+        assert _idle_after(progress, 2.5) > 1.5, "a write stuck in the kernel is no progress"
+        small = gated.mountpoint / "common.pt"  # files not named in the gate still answer
+        subprocess.run([sys.executable, "-c", f"open({str(small)!r}, 'wb').write(b'y')"], timeout=10, check=True)
+        gated.open()
+        assert _idle_after(progress, 1.0) < 0.8
+    finally:
+        gated.open()
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
+        proc.kill()
+        proc.wait(10)
+    assert written_bytes(proc.pid) is None, "a process that is gone has written nothing more"
 
 
 def _state_of(pid: int) -> str | None:

@@ -146,8 +146,8 @@ def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips
     the group although those writers are stuck, the new attempt's restore does not wait on tier 1
     (reshardable step 20), and the job ends with the storage still stalled; the stuck writers exit
     once it answers. (The gate closes between publishes: a commit or a received replica stuck in
-    the kernel is written on a thread of the rank, which then cannot exit: not solved yet, see
-    docs/checkpoints.md, "Stalled storage".)"""
+    the kernel is written on a thread of the rank, which then cannot exit; the standby process
+    reports such a rank ended, tests/test_standby.py and tests/test_stalled_reshardable_job.py.)"""
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
     common = {**COMMON, "checkpoint.reshardable.interval": 10}

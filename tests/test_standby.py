@@ -22,6 +22,7 @@ from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.beside import start_server
 from pretrain.resilience.standby.server import cuda_driver_loaded, fork_hazard
 from pretrain.resilience.standby.wire import ENV
+from pretrain.soak.storage import GatedMount  # its daemon needs fusepy; the module does not
 from tests.helpers import PYTHON, REPO
 
 RANK = [PYTHON, "-m", "tests.standby_rank"]
@@ -50,9 +51,9 @@ def _gone(pid: int, within: float) -> bool:
 
 
 @contextlib.contextmanager
-def _client(env: dict[str, str], action: str) -> Iterator[subprocess.Popen[str]]:
-    """A client running ``action``, its output readable; killed on the way out."""
-    client = subprocess.Popen([*RANK, action], env=env, stdout=subprocess.PIPE, text=True)
+def _client(env: dict[str, str], *action: str) -> Iterator[subprocess.Popen[str]]:
+    """A client running ``action`` (and its argument), its output readable; killed on the way out."""
+    client = subprocess.Popen([*RANK, *action], env=env, stdout=subprocess.PIPE, text=True)
     try:
         yield client
     finally:
@@ -135,6 +136,56 @@ def test_a_killed_client_takes_its_rank_even_when_the_rank_cannot_run(
         client.kill()
         client.wait()
         assert _gone(rank, 5), f"the {wedge} rank outlived its client"
+
+
+@pytest.fixture
+def stalled_mount(tmp_path: Path) -> Iterator[GatedMount]:
+    """A gated FUSE mount whose gate is closed: a data write there waits in the kernel until the
+    fixture opens it (and unmounts), even when the test fails."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
+    pytest.importorskip("fuse", reason="fusepy missing: pip install -e '.[test]'")
+    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
+    try:
+        mount.close()
+        yield mount
+    finally:
+        mount.stop()
+
+
+@pytest.mark.parametrize(("action", "ends"), [("stuck-write", -signal.SIGKILL), ("stuck-thread", 3)])
+def test_a_rank_the_kernel_holds_after_its_end_is_reported_ended_to_its_launcher(
+    server_env: tuple[dict[str, str], psutil.Process], stalled_mount: GatedMount, action: str, ends: int
+) -> None:
+    """A rank killed (a hang's SIGKILL from the rank monitor) or exiting while a thread waits in a
+    write to storage that does not answer cannot end until the storage does: its client ends now,
+    as the rank will (killed by SIGKILL, or the exit code it left with), so the launcher restarts
+    the job instead of waiting on the storage."""
+    env, _ = server_env
+    with _client(env, action, str(stalled_mount.mountpoint / "f")) as client:
+        assert client.stdout is not None
+        rank = json.loads(client.stdout.readline())["rank"]
+        # Until the file system's daemon holds the write (the writer waits interruptibly, S, until
+        # a signal comes, then uninterruptibly, D, as a write to a hung NFS or Lustre server does).
+        deadline = time.monotonic() + 30
+        while "holding write to /f" not in stalled_mount.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "holding write to /f" in stalled_mount.log.read_text(), "the write never reached the daemon"
+        if action == "stuck-write":
+            os.kill(rank, signal.SIGKILL)  # as the rank monitor does to a hung rank
+        assert client.wait(timeout=30) == ends
+        assert "D" in _thread_states(rank), "the kernel still holds the rank: its launcher did not wait for it"
+
+
+def _thread_states(pid: int) -> set[str]:
+    """The state letter (R, S, D, Z, ...) of each thread of ``pid``; empty once it is gone."""
+    states = set()
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            states.add(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        pass
+    return states
 
 
 def test_what_an_ended_rank_left_running_is_ended_with_it(server_env: tuple[dict[str, str], psutil.Process]) -> None:

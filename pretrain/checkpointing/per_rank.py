@@ -37,7 +37,14 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.checkpointing.tier_health import DISK_FULL, STALLED, TierHealth, TierStalled, stall_deadline
+from pretrain.checkpointing.tier_health import (
+    DISK_FULL,
+    STALLED,
+    TierHealth,
+    TierStalled,
+    log_stall,
+    stall_deadline,
+)
 from pretrain.config import Config, ReplicationConfig
 from pretrain.errors import ConfigError
 from pretrain.rank_state import rank_state, restore_rng
@@ -202,16 +209,8 @@ class PerRankCheckpoints:
 
     def _report_stall(self, what: str) -> None:
         """The one line a rank logs when its tier-1 storage stops answering."""
-        log.error(
-            "rank %d: tier 1 storage %s is stalled: %s; tier 1 is skipped (training goes on with the other "
-            "tiers) and probed every %.0fs until it answers; fix: check the file system under "
-            "checkpoint.local.dir (mount, NFS/Lustre server, disk), or raise checkpoint.local.stall_timeout_s "
-            "if saves there are legitimately this slow",
-            self.rank,
-            self.node_root,
-            what.removeprefix(f"{STALLED}: "),
-            self.cfg.checkpoint.local.probe_interval_s,
-        )
+        probe_s = self.cfg.checkpoint.local.probe_interval_s
+        log_stall(self.rank, "tier 1", self.node_root, what, "checkpoint.local", probe_s)
 
     def _skip_if_stalled(self, step: int) -> None:
         if not self.agree_healthy():

@@ -10,12 +10,32 @@ A step directory holds:
 * ``manifest.json`` + ``COMMITTED`` from the publish protocol (:mod:`tiering.publish`).
 
 The directory must be visible to every rank (shared storage, or the staging area of the S3 tier).
+
+Shared storage stalls (an NFS or Lustre server that stops answering): a write there waits in the
+kernel for as long as it does. The tier's health (:mod:`pretrain.checkpointing.shared_health`)
+decides, the same on every rank: at the start of an attempt a probe per node (if one does not
+answer, nothing of the attempt touches the tier: no check, no cleaning, no listing, no restore, no
+S3 download into it; the restore goes on with the other tiers); during a background save, a
+writer idle past the deadline while a probe goes unanswered as long (the save is abandoned: its
+writer and the workers it started are SIGKILLed and, if the kernel holds them, left behind
+without being waited for, at exit too; the step is not published and the tier's saves are skipped
+until the storage answers). Training goes on meanwhile.
+
+What still runs on the rank's thread and can block there: the begin and commit of a step (small
+files, the manifest, the rename), retention, Megatron's ``common.pt`` and ``.metadata``. A stall
+that starts there holds the rank until its section timeout kills it; the standby process then
+tells the launcher the rank ended (:mod:`pretrain.resilience.standby.server`), and the restarted
+attempt's probe finds the storage stalled and leaves the tier alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.process
+import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -27,6 +47,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain.checkpointing.async_writer import killed_by_signal
+from pretrain.checkpointing.shared_health import SharedStorageHealth, WriteWatch
+from pretrain.checkpointing.shared_storage import check_shared
 from pretrain.checkpointing.state import (
     RestoreResult,
     SaveResult,
@@ -37,13 +59,19 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
+from pretrain.checkpointing.tier_health import STALLED, log_stall, process_tree
 from pretrain.config import Config
-from pretrain.platform.compat import async_save_kwargs, reset_write_results_queue, warm_write_results_queue
+from pretrain.platform.compat import (
+    async_save_kwargs,
+    drain_write_results,
+    reset_write_results_queue,
+    warm_write_results_queue,
+)
 from pretrain.rank_state import rank_state, restore_rng
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective
 from tiering.digest import PORTABLE_HASH, HashSpec
-from tiering.errors import VerificationError
+from tiering.errors import PublishError, VerificationError
 from tiering.posix import PosixTier
 from tiering.publish import PosixStepPublisher
 from tiering.restore import select_newest_verified
@@ -52,6 +80,8 @@ from tiering.verify import verify_step
 log = logging.getLogger(__name__)
 
 FORMAT = "megatron-dist+rank-state/v1"
+WRITER_EXIT_WAIT_S = 2.0  # a killed writer not gone by then is held by the kernel (stalled storage)
+POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) this often
 
 
 class ReshardableCheckpoints:
@@ -82,13 +112,27 @@ class ReshardableCheckpoints:
         self._record_event = record_event
         self._queue = _new_queue()
         self._inflight: dict[str, Any] | None = None
+        self.storage = SharedStorageHealth(
+            self.tier.layout.run_dir, coll, tier_cfg.stall_timeout_s, tier_cfg.probe_interval_s, self._report_stall
+        )
 
     def prepare(self) -> None:
-        """At start-up (old world gone): drop temporary directories left by earlier attempts."""
+        """At start-up (old world gone): probe the storage (see the module docstring); if it answers
+        on every node, refuse a directory that not every rank sees (now, not at the first save hours
+        in: :mod:`pretrain.checkpointing.shared_storage`) and drop temporary directories left by
+        earlier attempts."""
+        if not self.storage.probe_at_start():
+            return
+        node = os.environ.get("NODE_NAME") or os.uname().nodename
+        check_shared(self.tier.layout.run_dir, self.attempt, self.coll, node)
         if self.coll.rank == 0:
             for path in self.tier.clean_stale_tmp(self.attempt):
                 log.info("removed unfinished save of an earlier attempt: %s", path)
         self.coll.barrier()
+
+    def _report_stall(self, what: str) -> None:
+        probe_s = self.cfg.checkpoint.reshardable.probe_interval_s
+        log_stall(self.coll.rank, "reshardable tier", self.tier.layout.run_dir, what, "checkpoint.reshardable", probe_s)
 
     def newest_committed(self) -> int | None:
         """Rank 0's cheap look (no hashing) at the newest committed step, shared with every rank."""
@@ -107,6 +151,7 @@ class ReshardableCheckpoints:
         """Collective, synchronous. Raises PublishError (on every rank) if the step could not be published.
         (``deadline`` is for the emergency tier-1 save; promotion staging is never one.)"""
         t0 = time.perf_counter()
+        self.storage.skip_if_stalled(state.step)
         self._warmup.join()
         tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)
         error = None
@@ -133,6 +178,7 @@ class ReshardableCheckpoints:
         :meth:`poll_async` publishes the step once every rank's writer is done."""
         assert self._inflight is None, "one reshardable save in flight at most"
         t0 = time.perf_counter()
+        self.storage.skip_if_stalled(state.step)
         self._warmup.join()
         tmp = self.publisher.begin(state.step, expected_bytes=self._last_step_bytes)
         error = None
@@ -148,10 +194,11 @@ class ReshardableCheckpoints:
             self._drop_queue()  # another rank could not start: its writer never finalizes with ours
         blocked = time.perf_counter() - t0
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
+        writer = self._writer_process() if scheduled else None
         self._inflight = {"step": state.step, "tmp": tmp, "manifest": manifest, "t0": t0, "blocked": blocked}
         self._inflight["error"] = error or (f"another rank failed to start its writer: {errors[0]}" if errors else None)
+        self._inflight["watch"] = self.storage.watch(writer.pid if writer is not None else None)
         if self._record_event is not None:
-            writer = self._writer_process() if scheduled else None
             pid = writer.pid if writer is not None else None
             self._record_event("save_started", tier=self.name, step=state.step, writer_pid=pid, blocked=blocked)
         return blocked
@@ -159,25 +206,46 @@ class ReshardableCheckpoints:
     def poll_async(self, block: bool = False) -> SaveResult | None:
         """Collective while a save is in flight (every rank, every step): None while any rank's
         writer runs (unless ``block``); the SaveResult once published; PublishError on every rank
-        if a writer failed or died (nothing is committed, older steps are intact)."""
+        if a writer failed, died or stalled (nothing is committed, older steps are intact)."""
         entry = self._inflight
         if entry is None:
             return None
         error = entry["error"]
         if error is None:
-            writer = self._writer_process()
+            done, error = self._writers_done(entry, block)
+            if not done:
+                return None
+        self._inflight = None
+        if error is not None and error.startswith(STALLED):
+            # Nothing more is asked of the stalled storage: the unfinished step's directory stays
+            # until an attempt finds the storage answering (prepare() removes it).
+            self.storage.stalled(error, entry["watch"].confirm)
+            raise PublishError(f"step {entry['step']} is not published in the reshardable tier: {error}")
+        return self._commit(entry["step"], entry["tmp"], entry["manifest"], error, entry["t0"], entry["blocked"])
+
+    def _writers_done(self, entry: dict[str, Any], block: bool) -> tuple[bool, str | None]:
+        """Collective: (every rank's writer ended, the error if one failed or stalled: see
+        :class:`~pretrain.checkpointing.shared_health.WriteWatch`); ``block`` waits until the
+        writers end or stall."""
+        writer = self._writer_process()
+        watch: WriteWatch = entry["watch"]
+        while True:
             try:
-                if not self._queue.maybe_finalize_async_calls(blocking=block):
-                    return None
+                if self._queue.maybe_finalize_async_calls(blocking=False):
+                    return True, None
             except (Exception, CheckpointException) as exc:  # raised on every rank by Megatron
                 code = writer.exitcode if writer is not None else None
-                if code is not None and code < 0:  # Megatron only sees the missing results
-                    error = killed_by_signal(writer.pid, -code)
-                else:
-                    error = f"background writer failed: {one_line(exc)}"
                 self._drop_queue()
-        self._inflight = None
-        return self._commit(entry["step"], entry["tmp"], entry["manifest"], error, entry["t0"], entry["blocked"])
+                if code is not None and code < 0:  # Megatron only sees the missing results
+                    return True, killed_by_signal(writer.pid, -code)
+                return True, f"background writer failed: {one_line(exc)}"
+            stalled = watch.verdict(writer_ended=writer is None or writer.exitcode is not None)
+            if stalled is not None:
+                self._drop_queue()
+                return True, f"{stalled}; step {entry['step']} was being written to {entry['tmp']}"
+            if not block:
+                return False, None
+            time.sleep(POLL_S)
 
     def _writer_process(self) -> Any:
         """The forked process writing the oldest save in flight (None once joined)."""
@@ -197,9 +265,14 @@ class ReshardableCheckpoints:
         for call in self._queue.async_calls:
             process = getattr(call.async_caller, "process", None)
             if process is not None:
-                process.kill()
-                process.join()
+                for pid in process_tree(process.pid):  # the writer and the workers it started
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                process.join(WRITER_EXIT_WAIT_S)
+                if process.is_alive():
+                    _leave_behind(process)
         self._queue = _new_queue()
+        drain_write_results()  # what a finished writer left there must not be read by the next save
 
     def _write_error(self, tmp: Path, step: int, exc: BaseException) -> str:
         free = shutil.disk_usage(tmp.parent).free
@@ -213,6 +286,7 @@ class ReshardableCheckpoints:
         """Collective tail of every save: publish (or abort everywhere), then retention."""
         self.publisher.commit(tmp, manifest, local_error=error)
         self._last_step_bytes = manifest.total_bytes
+        self.storage.saved(time.perf_counter() - t0)
         if self.coll.rank == 0:
             for old in self.tier.apply_retention():
                 log.info("retention: deleted reshardable step %d (keep=%d)", old, self.cfg.checkpoint.reshardable.keep)
@@ -318,6 +392,18 @@ class ReshardableCheckpoints:
             )
         reseed_after_reshard(self.cfg.train, state.step, self.coll.rank)
         return False
+
+
+def _leave_behind(process: Any) -> None:
+    """A killed writer the kernel still holds (its write waits on stalled storage): it exits once the
+    storage answers. It is dropped from multiprocessing's children, whose exit handler would
+    otherwise wait for it when the rank exits (private, but the only registry there is)."""
+    log.warning(
+        "background writer (pid %d) is stuck in the kernel on stalled storage: left behind, it exits once "
+        "the storage answers",
+        process.pid,
+    )
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
 
 
 def _new_queue() -> Any:

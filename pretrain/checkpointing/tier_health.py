@@ -1,25 +1,30 @@
-"""Whether tier 1's storage answers: the deadline of its saves, the tier marked unhealthy when one
-passes, and the probe that marks it healthy again. Nothing here can block the training thread.
+"""Whether a tier's storage answers (tier 1's node-local volume, the reshardable tier's shared file
+system): the deadline of its saves, the tier marked unhealthy when one passes, and the probe that
+marks it healthy again. Nothing here can block the training thread.
 
 A stalled file system (an NFS or Lustre server that stopped answering, a FUSE daemon that hangs)
 does not fail a write: the write waits in the kernel, uninterruptibly, for as long as the storage
 stalls, and a process with a thread stuck there cannot even finish exiting. So:
 
-* :func:`stall_deadline`: the seconds a tier-1 save (write, commit, replication) may take before
-  its tier counts as stalled: ``checkpoint.local.stall_timeout_s`` when set, else
-  ``max(STALL_FLOOR_S, STALL_FACTOR x the slowest tier-1 save of this attempt)``.
+* :func:`stall_deadline`: the seconds a save (tier 1: write, commit, replication; reshardable: the
+  background write) may take before its tier counts as stalled: the tier's ``stall_timeout_s``
+  when set, else ``max(STALL_FLOOR_S, STALL_FACTOR x the slowest save of this attempt)``.
 * :class:`StorageProbe`: a small write, fsync, rename and delete under the tier's directory, done
   by a spawned process (a fresh interpreter without torch: it never forks a CUDA process). The
   rank waits for it at most a deadline and never joins it: a probe stuck in the kernel stays
   behind as its own process, which exits when the storage answers, never as a thread of the rank.
+* :class:`WriteProgress`: whether a background writer process (and what it started) still writes,
+  read from ``/proc`` without touching the storage: the reshardable tier's deadline counts from
+  the writer's last written byte, so a slow but moving write of a large step is never a stall.
 * :class:`TierHealth`: healthy, or unhealthy since when and why. :meth:`TierHealth.usable` is
   non-blocking: a probe starts the moment the tier turns unhealthy (a stuck one answers as soon
   as the storage does), then at most every ``probe_interval_s`` after one that failed; reading
   the last one's exit is all it does, and an answer makes the tier healthy again.
 
-The caller (:class:`pretrain.checkpointing.per_rank.PerRankCheckpoints`) decides what a stall
-means for the job: it abandons the stuck writer, skips the tier's saves and restores while any
-rank's tier is unhealthy, and reports it (log line, metric, alert).
+The callers (:class:`pretrain.checkpointing.per_rank.PerRankCheckpoints`,
+:class:`pretrain.checkpointing.reshardable.ReshardableCheckpoints`) decide what a stall means for
+the job: they abandon the stuck writer, skip the tier's saves and restores while any rank's tier
+is unhealthy, and report it (:func:`log_stall`, the metric, the alert).
 """
 
 from __future__ import annotations
@@ -95,26 +100,82 @@ class StorageProbe:
         return answer
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants now (``/proc/<pid>/task/*/children``); [] once ``pid`` is gone."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            tasks = list((Path("/proc") / str(current) / "task").iterdir())
+            children = [int(c) for task in tasks for c in task.joinpath("children").read_text().split()]
+        except (OSError, ValueError):
+            if current == pid:
+                return []
+            continue  # a descendant ended between the listing and the read
+        found.append(current)
+        pending += [c for c in children if c not in found]
+    return found
+
+
+def written_bytes(pid: int) -> int | None:
+    """What ``pid`` and its descendants have written so far: bytes passed to ``write()`` (``wchar``,
+    counted when a call returns) plus bytes dirtied in the page cache (``write_bytes``, counted as
+    a large write proceeds); None once ``pid`` is gone or ``/proc`` cannot say. A write stuck in
+    the kernel adds nothing."""
+    tree = process_tree(pid)
+    total = 0
+    for current in tree:
+        try:
+            io = (Path("/proc") / str(current) / "io").read_text().splitlines()
+        except OSError:
+            if current == pid:
+                return None
+            continue
+        total += sum(int(line.split()[1]) for line in io if line.startswith(("wchar:", "write_bytes:")))
+    return total if tree else None
+
+
+class WriteProgress:
+    """Seconds since a background writer last wrote (see :func:`written_bytes`); ``restart`` starts
+    the count again (the storage answered a probe: the writer is slow, not stalled)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._written: int | None = None
+        self._since = time.monotonic()
+
+    def idle_s(self) -> float:
+        now = written_bytes(self.pid)
+        if now is not None and now != self._written:
+            self._written, self._since = now, time.monotonic()
+        return time.monotonic() - self._since
+
+    def restart(self) -> None:
+        self._since = time.monotonic()
+
+
 @dataclass
 class TierHealth:
     """The health of one rank's tier-1 storage (see the module docstring)."""
 
-    where: Path  # the directory probed (under checkpoint.local.dir)
+    where: Path  # the directory probed (under the tier's directory)
     probe_interval_s: float
+    label: str = "tier 1"  # how log lines name the tier
     healthy: bool = True
     reason: str | None = None
     since: float | None = None  # time.monotonic() it became unhealthy
     _probe: StorageProbe | None = None
     _last_probe: float = 0.0
 
-    def mark_stalled(self, reason: str) -> bool:
-        """Unhealthy from now on (until a probe answers); True if it was healthy until now."""
+    def mark_stalled(self, reason: str, probe: StorageProbe | None = None) -> bool:
+        """Unhealthy from now on (until a probe answers: ``probe``, one already waiting on the
+        storage, or a new one); True if it was healthy until now."""
         was = self.healthy
         self.healthy, self.reason = False, reason
         if was:
             self.since = self._last_probe = time.monotonic()
             if self._probe is None:  # at once: it answers the moment the storage does
-                self._probe = StorageProbe(self.where)
+                self._probe = probe if probe is not None else StorageProbe(self.where)
         return was
 
     def check_now(self, timeout: float) -> bool:
@@ -141,7 +202,8 @@ class TierHealth:
             self._probe = None
             if answer:
                 log.warning(
-                    "tier 1 storage answers again (probe of %s) after %.0fs stalled (%s): its saves resume",
+                    "%s storage answers again (probe of %s) after %.0fs stalled (%s): its saves resume",
+                    self.label,
                     self.where,
                     time.monotonic() - (self.since or time.monotonic()),
                     self.reason,
@@ -154,6 +216,23 @@ class TierHealth:
         return False
 
 
+def log_stall(rank: int, label: str, where: Path, what: str, setting: str, probe_interval_s: float) -> None:
+    """The one line a rank logs when a tier's storage stops answering (``setting``: the tier's
+    config section, e.g. ``checkpoint.local``)."""
+    log.error(
+        "rank %d: %s storage %s is stalled: %s; the tier is skipped (training goes on with the other tiers) "
+        "and probed every %.0fs until it answers; fix: check the file system under %s.dir (mount, NFS/Lustre "
+        "server, disk), or raise %s.stall_timeout_s if saves there are legitimately this slow",
+        rank,
+        label,
+        where,
+        what.removeprefix(f"{STALLED}: "),
+        probe_interval_s,
+        setting,
+        setting,
+    )
+
+
 class TierStalled(PublishError):
-    """A save not even started: some rank's tier-1 storage is stalled (the tier is skipped until
+    """A save not even started: some rank's storage of that tier is stalled (the tier is skipped until
     every rank's probe answers). Reported as a skip, never as a failed save, and never stops the job."""

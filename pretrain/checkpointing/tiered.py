@@ -53,6 +53,7 @@ class TieredCheckpointer:
         self.coll = coll
         self.local: PerRankCheckpoints | None = None
         self.reshardable: ReshardableCheckpoints | None = None
+        self._staging: ReshardableCheckpoints | None = None  # the reshardable tier, if it answers (per restore)
         self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
@@ -129,7 +130,7 @@ class TieredCheckpointer:
             stores = self.local.stores()
             moved += [str(p) for p in (store.quarantine(step, reason) for store in stores) if p]
         if self.coll.rank == 0:
-            if self.reshardable is not None:
+            if self.reshardable is not None and self.reshardable.storage.health.healthy:
                 path = self.reshardable.tier.quarantine(step, reason)
                 if path is not None:
                     moved.append(str(path))
@@ -191,6 +192,7 @@ class TieredCheckpointer:
         it in tiers 1-2 and staging are then superseded (see :meth:`_supersede_newer`)."""
         self._unusable: list[str] = []
         self._memory_rejected = []
+        self._staging = self._reshardable_answering()
         result = self._restore(state)
         if result is not None and not result.tier.startswith("memory") and self._memory_rejected:
             result.rejected = self._memory_rejected + result.rejected
@@ -199,14 +201,32 @@ class TieredCheckpointer:
         self._supersede_newer(result.step if result is not None else 0)
         return result
 
+    def _reshardable_answering(self) -> ReshardableCheckpoints | None:
+        """Collective: the reshardable tier, unless its storage is stalled on some rank: then this
+        restore (the S3 download into its staging area included) and the superseding after it
+        leave it alone, and the restore's notes say why."""
+        self._staging_note: str | None = None
+        if self.reshardable is None:
+            return None
+        self._staging_note = self.reshardable.storage.agreed_healthy()
+        if self._staging_note is not None:
+            self._unusable.append(self._staging_note)
+            if self.coll.rank == 0:
+                log.warning("%s; the restore uses the other tiers", self._staging_note)
+            return None
+        return self.reshardable
+
     def _refuse_fresh_start(self) -> None:
         """Collective: raise FreshStartRefused on every rank if any tier holds committed steps of
         this run although no step could be obtained by every rank."""
         where = self.local.committed_inventory() if self._local_answers() else []
-        if self.coll.rank == 0 and self.reshardable is not None:
-            steps = self.reshardable.tier.committed_steps()
+        if self.coll.rank == 0 and self._staging is not None:
+            steps = self._staging.tier.committed_steps()
             if steps:
-                where.append(f"reshardable {self.reshardable.tier.layout.run_dir} steps {steps}")
+                where.append(f"reshardable {self._staging.tier.layout.run_dir} steps {steps}")
+        elif self.coll.rank == 0 and self._staging_note is not None:
+            # It may hold the run's steps, and cannot be asked: never a silent start from step 0.
+            where.append(f"reshardable {self.reshardable.tier.layout.run_dir} (not listed: its storage is stalled)")
         if self.coll.rank == 0 and self.remote is not None:
             try:
                 steps = self.remote.committed_steps()
@@ -238,8 +258,8 @@ class TieredCheckpointer:
         stores = []
         if self._local_answers():
             stores = self.local.stores()
-        if self.reshardable is not None and self.coll.rank == 0:
-            stores.append(self.reshardable.tier)
+        if self._staging is not None and self.coll.rank == 0:
+            stores.append(self._staging.tier)
         for store in stores:
             for newer in (s for s in store.step_dirs() if s > step):
                 store.quarantine(newer, reason)
@@ -253,7 +273,7 @@ class TieredCheckpointer:
         host = self._restore_from_host(state, t0)
         if host is not None:
             return host
-        notes: list[str] = []
+        notes: list[str] = [self._staging_note] if self._staging_note is not None else []
         plan = self.local.plan_restore() if self.local is not None else None
         if plan is not None and plan.skipped_topology:
             notes.append(
@@ -267,17 +287,17 @@ class TieredCheckpointer:
             self._unusable.extend(plan.rejected)
             notes += [r for r in plan.rejected if r.startswith(TIERS_SKIPPED)]  # stalled storage
         peer = plan.restore if plan is not None else None
-        newest_reshardable = self.reshardable.newest_committed() if self.reshardable is not None else None
+        newest_reshardable = self._staging.newest_committed() if self._staging is not None else None
         from_s3 = self._fetch_from_s3(max(peer.step if peer else -1, newest_reshardable or -1), notes)
         if from_s3 is not None:
             newest_reshardable = from_s3
         if peer is not None and (newest_reshardable is None or newest_reshardable <= peer.step):
             return self._load_peer(peer, plan, state, t0, notes)
         rejected: list[tuple[int, str]] = []
-        if self.reshardable is not None:
+        if self._staging is not None:
             # Only a step newer than the tier 1-2 one is worth a reshardable load; at equal steps
             # the per-rank copy is faster and carries every rank's exact state.
-            result = self.reshardable.restore(state, newer_than=peer.step if peer else -1, rejected=rejected)
+            result = self._staging.restore(state, newer_than=peer.step if peer else -1, rejected=rejected)
             self._unusable.extend(reason for _, reason in rejected)
             if result is not None:
                 result.notes = notes
@@ -294,8 +314,8 @@ class TieredCheckpointer:
         suspects = self.suspect_steps()
         mine = self.local.store.committed_steps() if self._local_answers() else []
         newest = [s for s in mine if s not in suspects][:1]
-        if self.reshardable is not None:
-            newest.append(self.reshardable.newest_committed() or -1)
+        if self._staging is not None:
+            newest.append(self._staging.newest_committed() or -1)
         return max(self.coll.all_gather(max(newest, default=-1)))
 
     def _restore_from_memory(self, state: TrainingState, t0: float) -> RestoreResult | None:
@@ -341,8 +361,8 @@ class TieredCheckpointer:
         answers = self._local_answers()
         mine = self.local.host_copy_step() if answers else None
         newest = self.local.store.committed_steps()[:1] if answers else []
-        if self.reshardable is not None:
-            newest.append(self.reshardable.newest_committed() or -1)
+        if self._staging is not None:
+            newest.append(self._staging.newest_committed() or -1)
         on_disk = max(newest, default=-1)
         rows = self.coll.all_gather((mine, on_disk))
         if mine is None or any(m != mine for m, _ in rows) or max(d for _, d in rows) > mine:
@@ -364,7 +384,9 @@ class TieredCheckpointer:
     def _fetch_from_s3(self, best_local: int, notes: list[str]) -> int | None:
         """Collective: if the object store has a newer committed step than every local tier, rank 0
         downloads and verifies it into the reshardable tier (falling back to older S3 steps)."""
-        if self.remote is None or self.reshardable is None:
+        if self.remote is None or self._staging is None:
+            if self.remote is not None:
+                notes.append("S3 not consulted: its steps are restored through the reshardable tier, which is stalled")
             return None
         got = None
         if self.coll.rank == 0:
@@ -372,9 +394,8 @@ class TieredCheckpointer:
                 suspects = self.suspect_steps()
                 committed = [s for s in self.remote.committed_steps() if s not in suspects]
                 if committed and committed[0] > best_local:
-                    got, rejected = self.remote.restore_newest(
-                        self.reshardable.tier.layout, self.attempt, exclude=suspects
-                    )
+                    layout = self._staging.tier.layout
+                    got, rejected = self.remote.restore_newest(layout, self.attempt, exclude=suspects)
                     for step, reason in rejected:
                         notes.append(f"S3 step {step} rejected: {reason}")
                     if got is not None and got <= best_local:

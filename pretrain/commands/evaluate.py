@@ -101,7 +101,7 @@ def evaluate(cfg: Config, checkpoint: str, step: int | None = None) -> dict[str,
         "nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
     )
     try:
-        session = build_session(cfg, rank, world, "evaluate", check_storage=False)
+        session = build_session(cfg, rank, world, "evaluate")
         kind = load_checkpoint(session, checkpoint, step)
         dp = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
         loss = Evaluator(cfg, session.valid, session.ddp, *dp).loss()

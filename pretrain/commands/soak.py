@@ -166,6 +166,7 @@ def run_soak(
     work.mkdir(parents=True)
     runner.prepare_data()
     try:
+        runner.setup_memory()
         if set(kinds) & set(STORAGE_KINDS):
             runner.setup_storage()  # the faulted run's tier 1, kept for the second resume
         if cfg.checkpoint.s3.uri:  # a fresh prefix per run; the store kind's proxy, kept for the second resume
@@ -176,9 +177,13 @@ def run_soak(
     finally:
         runner.teardown_store()
         runner.teardown_storage()
+        runner.teardown_memory()
+    memory = cfg.checkpoint.memory
+    interval = memory.interval if memory.enabled else cfg.checkpoint.local.interval  # the planner's interval
     report = build_report(
-        runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume
-    )
+        runner.run_dir("baseline"), runner.run_dir("faulted"), base, times, events, faults, stopped, steps, resume,
+        interval,
+    )  # fmt: skip
     pace = f"{mtti_steps:g} steps" if in_steps else f"{mtti:g} s"
     head = write_report(work, report, runner.run_dir("faulted"), times.ended_at, seed, pace)
     plot_timeline(

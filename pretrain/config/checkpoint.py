@@ -26,10 +26,15 @@ class LocalTierConfig:
 
     def check(self, fail: Fail) -> None:
         positive(fail, interval=self.interval, keep=self.keep)
-        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
-            fail("stall_timeout_s", "must be > 0", "give seconds, or leave it unset for the measured default")
-        if self.probe_interval_s <= 0:
-            fail("probe_interval_s", "must be > 0", "give seconds between probes of a stalled tier")
+        check_stall_settings(fail, self.stall_timeout_s, self.probe_interval_s)
+
+
+def check_stall_settings(fail: Fail, stall_timeout_s: float | None, probe_interval_s: float) -> None:
+    """A tier's stall deadline and probe interval (tier 1 and the reshardable tier have both)."""
+    if stall_timeout_s is not None and stall_timeout_s <= 0:
+        fail("stall_timeout_s", "must be > 0", "give seconds, or leave it unset for the measured default")
+    if probe_interval_s <= 0:
+        fail("probe_interval_s", "must be > 0", "give seconds between probes of a stalled tier")
 
 
 @dataclass
@@ -56,9 +61,15 @@ class ReshardableTierConfig:
     interval: int = 50  # steps between saves (the last step is always saved)
     keep: int = 2  # newest verified steps kept
     enabled: bool = True  # save and restore this tier
+    # Seconds a background save's write or the start-of-attempt probe may take before the shared
+    # storage counts as stalled (the tier is skipped by saves and restores, reported, and probed
+    # until it answers). None: max(60, 10 x the slowest save of this tier in this attempt).
+    stall_timeout_s: float | None = None
+    probe_interval_s: float = 30.0  # while stalled: seconds between probes (each in its own process)
 
     def check(self, fail: Fail) -> None:
         positive(fail, interval=self.interval, keep=self.keep)
+        check_stall_settings(fail, self.stall_timeout_s, self.probe_interval_s)
 
 
 @dataclass

@@ -26,10 +26,12 @@ A getter missing from both is a one-line error naming the installed version and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import inspect
+import queue
 from types import ModuleType
 from typing import Any
 
@@ -76,6 +78,18 @@ def write_results_queue_getter(module: Any = filesystem_async) -> Any:
 def warm_write_results_queue() -> None:
     """Start the writer's multiprocessing Manager now (its first save would otherwise pay for it)."""
     write_results_queue_getter()()
+
+
+def drain_write_results() -> None:
+    """Drop what writers left in the results queue (one per process, shared by every save): after
+    a save was abandoned, a writer that finished put its results there, and the next save's
+    finalize would read them as its own (stale offsets in ``.metadata``). No queue yet: nothing."""
+    results = getattr(filesystem_async, "_results_queue", None)
+    if results is None:
+        return
+    with contextlib.suppress(queue.Empty, OSError, EOFError):  # empty, or its Manager is gone
+        while True:
+            results.get_nowait()
 
 
 def reset_write_results_queue() -> None:

@@ -3,12 +3,14 @@ the soak's ``blocked-write`` kind and of the tests (a deliberate fault, like the
 
 ``python -m pretrain.soak.gated_fs BACKING MOUNTPOINT GATE`` mounts ``BACKING`` at ``MOUNTPOINT`` (fusepy over
 libfuse2, foreground, multithreaded). Every call that writes data (write, fsync, truncate)
-first waits while the file ``GATE`` exists; lookups, metadata changes (create, mkdir, rename,
-unlink) and reads always answer. (Gating metadata too would hold the parent directory's lock in
-the kernel, so even listing the directory from the test would hang.) A process writing there
-while the gate is closed is stuck in the kernel as a real stalled NFS/Lustre write is
-(uninterruptible once the request reached this daemon: SIGKILL does not free it) until the gate
-file is removed.
+first waits while the file ``GATE`` exists (if it lists name parts starting with a dot, ``.distcp``,
+one per line, only writes to files whose paths contain one wait: a stall that catches a background
+writer's big files while the small ones written beside them still answer); lookups, metadata
+changes (create, mkdir, rename, unlink) and reads always answer. (Gating metadata too would hold
+the parent directory's lock in the kernel, so even listing the directory from the test would
+hang.) A process writing there while the gate is closed is stuck in the kernel as a real stalled
+NFS/Lustre write is (uninterruptible once the request reached this daemon: SIGKILL does not free
+it) until the gate file is removed.
 
 :class:`pretrain.soak.storage.GatedMount` starts and stops this daemon (tests and the soak's
 ``blocked-write`` kind). It needs fusepy (the ``test`` extra); the soak refuses the kind in one line without it.
@@ -33,9 +35,21 @@ class GatedPassthrough(Operations):
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path.lstrip("/"))
 
-    def _wait_gate(self) -> None:
-        while os.path.exists(self.gate):
+    def _wait_gate(self, path: str) -> None:
+        if not self._closed_for(path):
+            return
+        # The request is this daemon's now: the writer waits uninterruptibly once a signal comes.
+        print(f"holding write to {path}", file=sys.stderr, flush=True)
+        while self._closed_for(path):
             time.sleep(0.05)
+
+    def _closed_for(self, path: str) -> bool:
+        try:
+            with open(self.gate) as fh:
+                only = [line.strip() for line in fh if line.startswith(".")]
+        except FileNotFoundError:
+            return False
+        return not only or any(part in path for part in only)
 
     def __call__(self, op: str, *args: Any) -> Any:
         if not hasattr(self, op):
@@ -83,15 +97,15 @@ class GatedPassthrough(Operations):
         return os.open(self._full(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-        self._wait_gate()
+        self._wait_gate(path)
         return os.pwrite(fh, data, offset)
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> None:
-        self._wait_gate()
+        self._wait_gate(path)
         os.truncate(self._full(path), length)
 
     def fsync(self, path: str, datasync: int, fh: int) -> None:
-        self._wait_gate()
+        self._wait_gate(path)
         os.fsync(fh)
 
     def fsyncdir(self, path: str, datasync: int, fh: int) -> None:

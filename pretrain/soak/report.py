@@ -9,7 +9,8 @@ compared with the class and ranks the kind must be recorded as: part of the soak
 detection (every process of the hit attempt gone), fault -> next step (the first step any later
 attempt finished), the restored tier and step, and the lost steps. Headline: recovery-success rate,
 every logged loss (recomputed steps included) bit-equal to the baseline, time to N steps against
-the baseline, per kind detection and fault -> next step (median, p95), lost steps, goodput.
+the baseline, per kind detection and fault -> next step (median, p95), lost steps, goodput, and
+the planner's goodput for the same measured costs (:mod:`pretrain.soak.projection`).
 
 A storage kind (``blocked-write``, ``full-disk``) ends no attempt: its row is judged by the event
 the job recorded it with (a tier-1 save failed or skipped, whose ``reason`` must be the kind's
@@ -33,6 +34,7 @@ from typing import Any
 from pretrain.observability.goodput import format_goodput, goodput_from_records
 from pretrain.observability.runlog import read_jsonl
 from pretrain.resilience.attempts import read_attempts
+from pretrain.soak.projection import planner_projection, projection_line
 from pretrain.soak.runner import FaultEvent, RunTimes, read_metrics, write_json
 from pretrain.soak.schedule import KINDS
 
@@ -248,7 +250,10 @@ def build_report(
     stopped: str | None,
     steps: int,
     second_resume: dict[str, Any],
+    interval_steps: int,
 ) -> dict[str, Any]:
+    """``interval_steps``: the steps between saves of the nearest tier that survives a process
+    fault (the planner's interval, see :mod:`pretrain.soak.projection`)."""
     # the faulted run's attempts and rows only: the second resume appends to the same records afterwards
     attempts = [a for a in read_attempts(faulted_dir) if (a.get("started_at") or 0) <= faulted_times.ended_at]
     rows = [r for r in read_metrics(faulted_dir) if r["time"] <= faulted_times.ended_at]
@@ -292,7 +297,7 @@ def build_report(
         and not mismatches
         and second_resume.get("passed", False)
     )
-    return {
+    report = {
         "passed": ok,
         "headline": headline,
         "faults": faults,
@@ -302,6 +307,8 @@ def build_report(
         },
         "events": [asdict(e) for e in events],
     }
+    report["goodput"]["planner_projection"] = planner_projection(report, interval_steps)
+    return report
 
 
 def headline_lines(report: dict[str, Any], faulted_dir: Path, until: float) -> list[str]:
@@ -336,6 +343,8 @@ def headline_lines(report: dict[str, Any], faulted_dir: Path, until: float) -> l
         lines.append(f"  {kind:<13} n={med['n']}  " + " | ".join(_fmt(med[p]) for p in BREAKDOWN))
     g = goodput_from_records(faulted_dir, until=until)
     lines.append(format_goodput(g, "goodput (faulted run, from its records)"))
+    if "planner_projection" in report["goodput"]:
+        lines.append(projection_line(report["goodput"]["planner_projection"]))
     return lines
 
 

@@ -167,6 +167,7 @@ class SoakRunner:
         self.proxy: StoreProxy | None = None  # the store kind: between the faulted run and the store
         self.store_uri: str | None = None  # this soak's own prefix of checkpoint.s3.uri
         self.jobs: list[Job] = []  # every job started, for stop_jobs (the baseline may run on a thread)
+        self.memory_root: Path | None = None  # tier 0 of this soak's runs, when the config enables it
 
     def stop_jobs(self) -> None:
         """The soak is leaving early (stopped, or failed): end every job it started, on any thread."""
@@ -200,6 +201,19 @@ class SoakRunner:
     def teardown_store(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
+
+    def setup_memory(self) -> None:
+        """Tier 0 (``checkpoint.memory``), when enabled: each run under its own directory of the
+        configured tmpfs, new to this soak (the baseline beside the faulted run would otherwise
+        share slots, and an earlier soak's slots of the same run id would be restored at the first
+        start). Call teardown_memory."""
+        memory = self.loaded().checkpoint.memory
+        if memory.enabled:
+            self.memory_root = Path(memory.dir) / f"soak-{os.getpid()}-{time.monotonic_ns()}"
+
+    def teardown_memory(self) -> None:
+        if self.memory_root is not None:
+            shutil.rmtree(self.memory_root, ignore_errors=True)
 
     def _store_items(self, name: str) -> list[str]:
         """The run's own prefix, and with the proxy the run's endpoint (the proxy for the faulted
@@ -235,6 +249,8 @@ class SoakRunner:
             **self.fault_settings,
         }
         items = [f"{k}={v}" for k, v in settings.items()] + list(self.s.overrides) + self._store_items(name)
+        if self.memory_root is not None:  # after the user's overrides: it must win
+            items.append(f"checkpoint.memory.dir={self.memory_root / name}")
         cfg = load_config(self.s.config, items)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(root / "triggers", ignore_errors=True)  # a request no rank read must not fire in the next run

@@ -50,6 +50,7 @@ class GatedMount:
         backing.mkdir(parents=True, exist_ok=True)
         mountpoint.mkdir(parents=True, exist_ok=True)
         self.open()
+        self.log = log  # the daemon's output: a line "holding write to PATH" per write it holds
         self._log = log.open("ab")
         cmd = [sys.executable, "-m", "pretrain.soak.gated_fs", str(backing), str(mountpoint), str(gate)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
@@ -60,8 +61,12 @@ class GatedMount:
                 raise RuntimeError(f"gated FUSE mount at {mountpoint} did not come up; see {log}")
             time.sleep(0.05)
 
-    def close(self) -> None:
-        self.gate.write_bytes(b"closed")
+    def close(self, only: tuple[str, ...] = ()) -> None:
+        """Every data write blocks from now on; with ``only`` (parts starting with a dot), writes
+        to files whose paths contain one. Written whole, then renamed into place."""
+        tmp = self.gate.with_name(self.gate.name + ".new")
+        tmp.write_text("".join(f"{part}\n" for part in only))
+        tmp.replace(self.gate)
 
     def open(self) -> None:
         with contextlib.suppress(FileNotFoundError):

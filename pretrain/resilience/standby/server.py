@@ -10,6 +10,14 @@ while the rank is stopped (SIGSTOP) or a thread holds its GIL (the rank keeps th
 this process is gone). It ends with its parent (``PR_SET_PDEATHSIG``, set by :mod:`.beside`);
 ranks already forked live on until their clients end.
 
+A rank that was killed (the rank monitor's SIGKILL on a hang, the end of its group) or that exited
+while one of its threads waits in the kernel on storage that does not answer (an NFS or Lustre
+server gone, uninterruptibly) cannot end until the storage answers, and its launcher would wait for
+it: no restart, no progress. Such a rank's kill is pending in ``/proc`` while a thread of it sleeps
+uninterruptibly; once that has lasted ``HELD_S`` its client is told the status it will end with
+(SIGKILL, or the exit code it left with) and the launcher restarts the job; the rank is reaped,
+silently, when the kernel lets it go.
+
 Run by :mod:`.beside`: ``python -m pretrain.resilience.standby.server FD``, FD a listening socket.
 """
 
@@ -47,6 +55,11 @@ PRELOAD = (
 )
 
 GROUP_GRACE_S = 5.0  # torch elastic's default before it SIGKILLs a worker group that ignored SIGTERM
+# A kill pending this long while a thread sleeps uninterruptibly: the kernel holds the rank (a write
+# to storage that stalls). Longer than any exit: a rank freeing its memory is not held.
+HELD_S = 2.0
+HELD_CHECK_S = 0.5  # how often live ranks are looked at for that
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc's pending-signal masks
 
 
 def preload() -> int:
@@ -90,11 +103,15 @@ class Server:
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, its client's connection)
         self.clients: dict[int, int] = {}  # a client's pidfd -> the pid of the rank it asked for
         self.groups: dict[int, float] = {}  # process group of an ended rank -> when to SIGKILL what is left
+        self.held: dict[int, float] = {}  # a rank's pidfd -> since when its kill has been pending
+        self.told: set[int] = set()  # pidfds of held ranks whose clients were told their status
 
     def serve(self) -> RankRequest:
         while True:
             self._kill_overdue_groups()
-            timeout = min(self.groups.values(), default=None)
+            self._report_held_ranks()
+            wake = [*self.groups.values(), *([time.monotonic() + HELD_CHECK_S] if self.children else [])]
+            timeout = min(wake, default=None)
             ready = self.selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
             # One event per select: handling it may close descriptors the rest of the batch names
             # (a rank reaped drops its client's watch), and a number closed may be reused at once by
@@ -142,13 +159,17 @@ class Server:
         _, status = os.waitpid(pid, 0)
         self.selector.unregister(pidfd)
         os.close(pidfd)
+        self.held.pop(pidfd, None)
         # Its pid is free for reuse from here on: stop watching its client, whose end would kill it.
         for client_pidfd in [c for c, rank in self.clients.items() if rank == pid]:
             del self.clients[client_pidfd]
             self.selector.unregister(client_pidfd)
             os.close(client_pidfd)
-        with contextlib.suppress(OSError):  # the client is gone (killed with its launcher): nobody to tell
-            wire.send(conn, {"status": status})
+        if pidfd in self.told:  # its client was told while the kernel held the rank
+            self.told.discard(pidfd)
+        else:
+            with contextlib.suppress(OSError):  # the client is gone (killed with its launcher): nobody to tell
+                wire.send(conn, {"status": status})
         conn.close()
         # What the rank started (Megatron's writer processes, the multiprocessing resource tracker)
         # is in the rank's process group, not in the launcher's worker group: end it as the
@@ -168,6 +189,26 @@ class Server:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 kill(pid, signal.SIGKILL)
 
+    def _report_held_ranks(self) -> None:
+        """Tell the client of each rank the kernel has held for ``HELD_S`` after its kill how it will
+        end (see the module docstring); it is reaped later, as any rank."""
+        now = time.monotonic()
+        for pidfd, (pid, conn) in list(self.children.items()):
+            status = None if pidfd in self.told else held_status(pid)
+            if status is None:
+                self.held.pop(pidfd, None)
+                continue
+            if now - self.held.setdefault(pidfd, now) < HELD_S:
+                continue
+            print(
+                f"standby: rank process {pid} ended but the kernel holds it (a thread waits on storage that "
+                "does not answer?): its launcher is told it ended; it is reaped once the kernel lets it go",
+                file=sys.stderr,
+            )
+            with contextlib.suppress(OSError):  # the client is gone already
+                wire.send(conn, {"status": status})
+            self.told.add(pidfd)
+
     def _kill_overdue_groups(self) -> None:
         now = time.monotonic()
         for pgid in [g for g, deadline in self.groups.items() if deadline <= now]:
@@ -186,6 +227,31 @@ class Server:
         self.selector.close()
         self.listener.close()
         conn.close()
+
+
+def held_status(pid: int) -> int | None:
+    """The wait status ``pid`` will end with, if the kernel holds it after its end: a SIGKILL is
+    pending (it was killed, or it is exiting while another of its threads has not) and one of its
+    threads sleeps uninterruptibly (D: in a write to storage that does not answer). None
+    otherwise (a rank that is merely slow to exit, say, freeing its memory), or if it is gone."""
+    proc = Path("/proc") / str(pid)
+    try:
+        tasks = list((proc / "task").iterdir())
+        masks = [_pending(proc / "status", "ShdPnd:")] + [_pending(t / "status", "SigPnd:") for t in tasks]
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
+        if not any(mask & _SIGKILL_BIT for mask in masks) or "D" not in states:
+            return None
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+    # A leader that exited already is a zombie holding its exit status (field 52 of stat, the
+    # 50th after the name); one still in the kernel ends of the pending SIGKILL.
+    return int(fields[49]) if fields[0] == "Z" and len(fields) > 49 else signal.SIGKILL
+
+
+def _pending(status_file: Path, field: str) -> int:
+    line = next(line for line in status_file.read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1], 16)
 
 
 def main(argv: list[str]) -> None:
