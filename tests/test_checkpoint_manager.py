@@ -40,8 +40,11 @@ class State:
 class ScriptedTier:
     """A tier whose background writer is done after ``write_polls`` non-blocking polls."""
 
-    def __init__(self, name: str, interval: int, write_polls: int = 0, fail_at: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, name: str, interval: int, write_polls: int = 0, fail_at: tuple[int, ...] = (), idle: bool = False
+    ) -> None:
         self.name = name
+        self.idle = idle  # its writer writes nothing (stalled storage): a wait that may stop, stops
         self.interval = interval
         self.write_polls = write_polls
         self.fail_at = fail_at
@@ -73,10 +76,13 @@ class ScriptedTier:
         self._inflight = [state.step, self.write_polls]
         return 0.0
 
-    def poll_async(self, block: bool = False) -> SaveResult | None:
+    def poll_async(self, block: bool = False, stop_when_idle: bool = False) -> SaveResult | None:
         if self._inflight is None:
             return None
         step, left = self._inflight
+        if block and stop_when_idle and self.idle:
+            self.calls.append(("stopped waiting", step))
+            return None
         if not block and left > 0:
             self._inflight[1] -= 1
             return None
@@ -179,6 +185,16 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it_by_default(tmp_path: Pat
     manager.finish()
     assert tiers.local.calls[0:3] == [("start", 10), ("blocking publish", 10), ("start", 20)]
     assert not _events(tmp_path, "save_skipped")
+
+
+def test_a_save_due_while_one_stopped_writing_is_skipped_but_the_final_one_waits(tmp_path: Path) -> None:
+    """Waiting on a save whose storage stalled could outlast the checkpointing section (the rank
+    killed): the tier says when its writers stopped writing, and the save due then is skipped."""
+    tiers = Tiers(ScriptedTier("local", 10, write_polls=100, idle=True), None, steps=30)
+    manager, state, _ = _manager(tmp_path, tiers)
+    _train(manager, state, range(1, 31))
+    assert tiers.local.calls == [("start", 10), ("stopped waiting", 10), ("blocking publish", 10), ("start", 30)]
+    assert [(e["step"], e["in_flight"]) for e in _events(tmp_path, "save_skipped")] == [(20, 10)]
 
 
 def test_a_preemption_publishes_an_emergency_tier1_step_within_the_deadline_and_leaves(tmp_path: Path) -> None:

@@ -119,7 +119,13 @@ class CheckpointManager:
             if self.cfg.checkpoint.async_.when_busy == "skip" and not final:
                 self.report.skipped(tier.name, step, tier.in_flight)
                 return
-            self._poll(block=True, tiers=[tier])
+            # Not past a save that stopped writing: its stall verdict can take longer than the
+            # checkpointing section allows, and the rank would be killed waiting (the next polls,
+            # one per step, reach the verdict while training goes on).
+            self._poll(block=True, tiers=[tier], stop_when_idle=not final)
+            if tier.busy():
+                self.report.skipped(tier.name, step, tier.in_flight)
+                return
         try:
             tier.start_async(self.state)
         except PublishError as exc:  # refused up front on every rank (a full volume): nothing started
@@ -127,7 +133,9 @@ class CheckpointManager:
             return
         self.report.queue_changed()
 
-    def _poll(self, block: bool, tiers: list[CheckpointTier] | None = None) -> list[SaveResult]:
+    def _poll(
+        self, block: bool, tiers: list[CheckpointTier] | None = None, stop_when_idle: bool = False
+    ) -> list[SaveResult]:
         """Collective while a save is in flight: publish each tier's save when every writer is done.
         Returns the saves published now (a failed one is reported and training goes on)."""
         published = []
@@ -136,7 +144,7 @@ class CheckpointManager:
                 continue
             step = tier.in_flight
             try:
-                saved = tier.poll_async(block)
+                saved = tier.poll_async(block, stop_when_idle)
             except PublishError as exc:
                 self.report.queue_changed()
                 self.report.failed(tier.name, step, exc)

@@ -186,7 +186,7 @@ class MemoryTier:
         job.blocked += waited
         return waited
 
-    def poll_async(self, block: bool = False) -> SaveResult | None:
+    def poll_async(self, block: bool = False, stop_when_idle: bool = False) -> SaveResult | None:
         """Collective while a write is in flight: None until every rank sealed (unless ``block``).
         Raises TierDisabled on every rank when any rank's tmpfs filled (the tier is off from now
         on), PublishError when any rank's write failed otherwise (the next step tries again)."""

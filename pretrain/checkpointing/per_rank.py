@@ -338,7 +338,7 @@ class PerRankCheckpoints:
             )
         return entry["blocked"]
 
-    def poll_async(self, block: bool = False) -> SaveResult | None:
+    def poll_async(self, block: bool = False, stop_when_idle: bool = False) -> SaveResult | None:
         """Advance the save in flight; None while it is not finished on this rank (unless ``block``).
 
         Writing: collective (every rank, every step) until every rank's writer is done; then the

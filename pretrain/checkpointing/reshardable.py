@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 FORMAT = "megatron-dist+rank-state/v1"
 WRITER_EXIT_WAIT_S = 2.0  # a killed writer not gone by then is held by the kernel (stalled storage)
 POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) this often
+IDLE_WAIT_S = 1.0  # a wait that may stop when idle stops once some writer wrote nothing this long
 
 
 class ReshardableCheckpoints:
@@ -203,7 +204,7 @@ class ReshardableCheckpoints:
             self._record_event("save_started", tier=self.name, step=state.step, writer_pid=pid, blocked=blocked)
         return blocked
 
-    def poll_async(self, block: bool = False) -> SaveResult | None:
+    def poll_async(self, block: bool = False, stop_when_idle: bool = False) -> SaveResult | None:
         """Collective while a save is in flight (every rank, every step): None while any rank's
         writer runs (unless ``block``); the SaveResult once published; PublishError on every rank
         if a writer failed, died or stalled (nothing is committed, older steps are intact)."""
@@ -212,7 +213,7 @@ class ReshardableCheckpoints:
             return None
         error = entry["error"]
         if error is None:
-            done, error = self._writers_done(entry, block)
+            done, error = self._writers_done(entry, block, stop_when_idle)
             if not done:
                 return None
         self._inflight = None
@@ -223,10 +224,10 @@ class ReshardableCheckpoints:
             raise PublishError(f"step {entry['step']} is not published in the reshardable tier: {error}")
         return self._commit(entry["step"], entry["tmp"], entry["manifest"], error, entry["t0"], entry["blocked"])
 
-    def _writers_done(self, entry: dict[str, Any], block: bool) -> tuple[bool, str | None]:
+    def _writers_done(self, entry: dict[str, Any], block: bool, stop_when_idle: bool) -> tuple[bool, str | None]:
         """Collective: (every rank's writer ended, the error if one failed or stalled: see
         :class:`~pretrain.checkpointing.shared_health.WriteWatch`); ``block`` waits until the
-        writers end or stall."""
+        writers end or stall, or (``stop_when_idle``) some writer wrote nothing for IDLE_WAIT_S."""
         writer = self._writer_process()
         watch: WriteWatch = entry["watch"]
         while True:
@@ -241,9 +242,9 @@ class ReshardableCheckpoints:
                 return True, f"background writer failed: {one_line(exc)}"
             stalled = watch.verdict(writer_ended=writer is None or writer.exitcode is not None)
             if stalled is not None:
-                self._drop_queue()
+                self._drop_queue(wait_s=0.0)  # a writer held in the kernel exits only once the storage answers
                 return True, f"{stalled}; step {entry['step']} was being written to {entry['tmp']}"
-            if not block:
+            if not block or (stop_when_idle and watch.longest_idle_s >= IDLE_WAIT_S):
                 return False, None
             time.sleep(POLL_S)
 
@@ -258,7 +259,7 @@ class ReshardableCheckpoints:
             self._drop_queue()
         self._inflight = None
 
-    def _drop_queue(self) -> None:
+    def _drop_queue(self, wait_s: float = WRITER_EXIT_WAIT_S) -> None:
         """Kill the writers still running and start a fresh queue. Not Megatron's
         ``close(abort=True)``: it asks torch.distributed for the rank, and an in-process
         restart may already have destroyed the process group."""
@@ -268,7 +269,7 @@ class ReshardableCheckpoints:
                 for pid in process_tree(process.pid):  # the writer and the workers it started
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                process.join(WRITER_EXIT_WAIT_S)
+                process.join(wait_s)
                 if process.is_alive():
                     _leave_behind(process)
         self._queue = _new_queue()

@@ -99,6 +99,7 @@ class WriteWatch:
         self.h = health
         self.progress = progress
         self.confirm: StorageProbe | None = None  # a probing rank's probe once some writer went idle
+        self.longest_idle_s = 0.0  # the idlest rank's writer at the last verdict, the same on every rank
 
     def verdict(self, writer_ended: bool) -> str | None:
         """Collective: None while no writer is stalled; else the stall, in one line. One integer
@@ -107,7 +108,9 @@ class WriteWatch:
         # An ended writer is not idle; where /proc cannot follow a writer there is no deadline (a
         # stall then holds the next blocking wait until the section timeout ends the rank).
         idle_ms = 0 if writer_ended or self.progress is None else int(self.progress.idle_s() * 1000)
-        if self.h.coll.min_int(deadline_ms - idle_ms) >= 0:
+        left_ms = self.h.coll.min_int(deadline_ms - idle_ms)
+        self.longest_idle_s = (deadline_ms - left_ms) / 1000
+        if left_ms >= 0:
             return None
         rows = self.h.coll.all_gather((idle_ms, self._unanswered_ms()))
         unanswered = [(rank, ms) for rank, (_, ms) in enumerate(rows) if ms >= deadline_ms]

@@ -47,8 +47,11 @@ class CheckpointTier(Protocol):
         """Collective: snapshot ``state`` and write it in the background; returns seconds blocked."""
         ...
 
-    def poll_async(self, block: bool = False) -> SaveResult | None:
-        """Collective: publish the background save once every rank's writer finished (None: not yet)."""
+    def poll_async(self, block: bool = False, stop_when_idle: bool = False) -> SaveResult | None:
+        """Collective: publish the background save once every rank's writer finished (None: not yet).
+        ``stop_when_idle``: a blocking wait returns None once some rank's writer has written
+        nothing for a moment (a tier whose own stall deadline could outlast the checkpointing
+        section; a tier whose blocking wait is bounded below it waits as ``block`` says)."""
         ...
 
     def abandon_async(self) -> None:
