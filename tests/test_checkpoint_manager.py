@@ -189,7 +189,7 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it_by_default(tmp_path: Pat
 
 def test_a_save_due_while_one_stopped_writing_is_skipped_but_the_final_one_waits(tmp_path: Path) -> None:
     """Waiting on a save whose storage stalled could outlast the checkpointing section (the rank
-    killed): the tier says when its writers stopped writing, and the save due then is skipped."""
+    killed): the tier says when it suspects a stall, and the save due then is skipped."""
     tiers = Tiers(ScriptedTier("local", 10, write_polls=100, idle=True), None, steps=30)
     manager, state, _ = _manager(tmp_path, tiers)
     _train(manager, state, range(1, 31))

@@ -119,9 +119,10 @@ class CheckpointManager:
             if self.cfg.checkpoint.async_.when_busy == "skip" and not final:
                 self.report.skipped(tier.name, step, tier.in_flight)
                 return
-            # Not past a save that stopped writing: its stall verdict can take longer than the
-            # checkpointing section allows, and the rank would be killed waiting (the next polls,
-            # one per step, reach the verdict while training goes on).
+            # Not past a save suspected stalled (its writer idle for the stall deadline): the
+            # verdict takes a deadline more, longer than the checkpointing section may allow, and
+            # the waiting rank would be killed (the next polls, one per step, reach the verdict
+            # while training goes on).
             self._poll(block=True, tiers=[tier], stop_when_idle=not final)
             if tier.busy():
                 self.report.skipped(tier.name, step, tier.in_flight)

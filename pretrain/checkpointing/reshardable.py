@@ -82,7 +82,6 @@ log = logging.getLogger(__name__)
 FORMAT = "megatron-dist+rank-state/v1"
 WRITER_EXIT_WAIT_S = 2.0  # a killed writer not gone by then is held by the kernel (stalled storage)
 POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) this often
-IDLE_WAIT_S = 1.0  # a wait that may stop when idle stops once some writer wrote nothing this long
 
 
 class ReshardableCheckpoints:
@@ -227,7 +226,9 @@ class ReshardableCheckpoints:
     def _writers_done(self, entry: dict[str, Any], block: bool, stop_when_idle: bool) -> tuple[bool, str | None]:
         """Collective: (every rank's writer ended, the error if one failed or stalled: see
         :class:`~pretrain.checkpointing.shared_health.WriteWatch`); ``block`` waits until the
-        writers end or stall, or (``stop_when_idle``) some writer wrote nothing for IDLE_WAIT_S."""
+        writers end or stall, or (``stop_when_idle``) some writer has written nothing for the stall
+        deadline (a stall is suspected: its verdict takes a deadline more, which a rank waiting
+        for it inside the checkpointing section may not live to see)."""
         writer = self._writer_process()
         watch: WriteWatch = entry["watch"]
         while True:
@@ -244,7 +245,7 @@ class ReshardableCheckpoints:
             if stalled is not None:
                 self._drop_queue(wait_s=0.0)  # a writer held in the kernel exits only once the storage answers
                 return True, f"{stalled}; step {entry['step']} was being written to {entry['tmp']}"
-            if not block or (stop_when_idle and watch.longest_idle_s >= IDLE_WAIT_S):
+            if not block or (stop_when_idle and watch.longest_idle_s >= self.storage.deadline()):
                 return False, None
             time.sleep(POLL_S)
 

@@ -49,9 +49,9 @@ class CheckpointTier(Protocol):
 
     def poll_async(self, block: bool = False, stop_when_idle: bool = False) -> SaveResult | None:
         """Collective: publish the background save once every rank's writer finished (None: not yet).
-        ``stop_when_idle``: a blocking wait returns None once some rank's writer has written
-        nothing for a moment (a tier whose own stall deadline could outlast the checkpointing
-        section; a tier whose blocking wait is bounded below it waits as ``block`` says)."""
+        ``stop_when_idle``: a blocking wait returns None once a stall of the write is suspected
+        (a tier whose stall verdict could outlast the checkpointing section; a tier whose
+        blocking wait is bounded below it waits as ``block`` says)."""
         ...
 
     def abandon_async(self) -> None:

@@ -54,6 +54,7 @@ class TieredCheckpointer:
         self.local: PerRankCheckpoints | None = None
         self.reshardable: ReshardableCheckpoints | None = None
         self._staging: ReshardableCheckpoints | None = None  # the reshardable tier, if it answers (per restore)
+        self._staging_note: str | None = None  # why the restore left the reshardable tier alone
         self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
@@ -205,7 +206,7 @@ class TieredCheckpointer:
         """Collective: the reshardable tier, unless its storage is stalled on some rank: then this
         restore (the S3 download into its staging area included) and the superseding after it
         leave it alone, and the restore's notes say why."""
-        self._staging_note: str | None = None
+        self._staging_note = None
         if self.reshardable is None:
             return None
         self._staging_note = self.reshardable.storage.agreed_healthy()
