@@ -12,6 +12,7 @@ bit-exact against an uninterrupted run from there on (the steps lost are printed
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,14 @@ import pytest
 from tests.cluster.job import metric_rows, node_local_mount, start_node, wait_exit, wait_metric_step
 from tests.cluster.netns import Cluster, unavailable
 from tests.helpers import TINY, events, job_env, metrics_by_step, overrides_for, torchrun_prefix
+from tiering.slot_store import SlotStore
+from tiering.slots import SlotState
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 STEPS = 18
 LOSS_AFTER = 13  # node 1 is lost once the job finished this step (tier 1's newest is 10)
+SLOTS = 3
 COMMON = {
     "checkpoint.local.interval": 10,
     "checkpoint.reshardable.interval": 10,
@@ -52,12 +56,22 @@ def _start(cluster: Cluster, index: int, work: Path, corpus: Path) -> subprocess
         "checkpoint.memory.dir": str(memory),
         # Three slots: the newest sealed, the one being written and the one the peer stream sends
         # (pinned); with two, a send slower than a step gives way to the own copy.
-        "checkpoint.memory.slots": 3,
+        "checkpoint.memory.slots": SLOTS,
     }
     skip = ("checkpoint.local.dir", "run.id")  # pretrain launch sets them from LOCAL_NVME / RUN_ID
     over = [o for o in overrides_for(work, corpus, **COMMON, **extra) if not o.startswith(skip)]
     prefix = node_local_mount(cluster.nodes[index].nvme / "shm", memory)
     return start_node(cluster, index, over, max_restarts=3, prefix=prefix)
+
+
+def _wait_for_peer_copy_newer_than(node_memory: Path, step: int, node_0: subprocess.Popen[str]) -> None:
+    """Until the copy of rank 1's tier 0 on node 0 holds a sealed step newer than ``step``."""
+    copy = SlotStore(node_memory, "t", 1, SLOTS, peer=True)
+    deadline = time.monotonic() + 120
+    while max((v.step for v in copy.views() if v.state is SlotState.SEALED and v.step is not None), default=-1) <= step:
+        assert node_0.poll() is None, "node 0's job ended before its peer copy passed tier 1's newest step"
+        assert time.monotonic() < deadline, f"no copy of rank 1 newer than step {step} reached node 0 in 120 s"
+        time.sleep(0.05)
 
 
 def test_a_lost_nodes_rank_restores_from_the_peers_tier0_bit_exact(tmp_path: Path, corpus: Path) -> None:
@@ -69,6 +83,10 @@ def test_a_lost_nodes_rank_restores_from_the_peers_tier0_bit_exact(tmp_path: Pat
         with Cluster(work, 2) as cluster:
             procs = {i: _start(cluster, i, work, corpus) for i in range(2)}
             wait_metric_step(run_dir, LOSS_AFTER, list(procs.values()), timeout=600)
+            # The stream sends rank 1's newest sealed slot to node 0 off the step: under load it
+            # lags (a CI run lost node 1 while node 0 held its step 10 only). Lose the node once
+            # node 0 holds a copy newer than tier 1's, as the restore below is to show.
+            _wait_for_peer_copy_newer_than(cluster.nodes[0].nvme / "shm", 10, procs[0])
             last_before_loss = max(r["step"] for r in metric_rows(run_dir))
             cluster.link(1, up=False)
             cluster.kill(1)
