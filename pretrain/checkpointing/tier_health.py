@@ -101,7 +101,10 @@ class StorageProbe:
 
 
 def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants now (``/proc/<pid>/task/*/children``); [] once ``pid`` is gone."""
+    """``pid`` and its descendants now (``/proc/<pid>/task/*/children``); [] once ``pid`` is gone.
+    Not psutil's ``children(recursive=True)``: that reads every process's ``stat`` on the host to
+    build a parent map, and this runs at every poll of a background save (each step, every 10 ms
+    in a blocking wait); this reads the writer's subtree only."""
     found, pending = [], [pid]
     while pending:
         current = pending.pop()
