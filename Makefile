@@ -35,7 +35,7 @@ lint: venv
 # jobs). Tests that share a machine-wide service run on one worker per service, in turn
 # (tests/leftover_guard.py); `TEST_WORKERS=1` runs everything in turn.
 TEST_WORKERS ?= 2
-PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
+PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30
 
 test: venv sysdeps lint
 	$(PYTEST) tests

@@ -257,8 +257,7 @@ class TrainingLoop:
         s, ctx, cfg = self.session, self.ctx, self.cfg
         lr = s.state.optimizer.param_groups[0]["lr"]
         s.runlog.metrics(step=step, loss=loss, grad_norm=grad_norm, lr=lr, consumed_samples=s.state.consumed_samples)
-        s.monitor.end("step")
-        s.monitor.beat()
+        s.monitor.beat()  # the step section stays open: the checkpoint manager's after_step ends it
         ctx.metrics.stepped(step)
         measured = s.monitor.maybe_calculate_timeouts(step - self.first_step + 1)
         if measured is not None:

@@ -21,7 +21,7 @@ from pretrain.checkpointing.manager import CheckpointManager
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.state import SaveResult
 from pretrain.checkpointing.tier import CheckpointTier
-from pretrain.config import load_config
+from pretrain.config import FaultToleranceConfig, load_config
 from pretrain.errors import PreemptedError
 from pretrain.observability.metrics import TrainingMetrics
 from pretrain.observability.runlog import RunLog
@@ -41,9 +41,18 @@ class ScriptedTier:
     """A tier whose background writer is done after ``write_polls`` non-blocking polls."""
 
     def __init__(
-        self, name: str, interval: int, write_polls: int = 0, fail_at: tuple[int, ...] = (), idle: bool = False
+        self,
+        name: str,
+        interval: int,
+        write_polls: int = 0,
+        fail_at: tuple[int, ...] = (),
+        idle: bool = False,
+        within_step: bool = False,
+        publishes_on_thread: bool = False,
     ) -> None:
         self.name = name
+        self.within_step = within_step
+        self.publishes_on_thread = publishes_on_thread  # its polls only check (tier 1: a publisher thread)
         self.idle = idle  # its writer writes nothing (stalled storage): a wait that may stop, stops
         self.interval = interval
         self.write_polls = write_polls
@@ -90,6 +99,10 @@ class ScriptedTier:
         self.calls.append(("blocking publish" if block and left > 0 else "publish", step))
         return self._published(step)
 
+    def poll_fits_in_step(self) -> bool:
+        """Only checks, unless the next poll publishes on the training thread (the reshardable tier)."""
+        return self.publishes_on_thread or self._inflight is None or self._inflight[1] > 0
+
     def abandon_async(self) -> None:
         self.calls.append(("abandon", self.in_flight or 0))
         self._inflight = None
@@ -108,6 +121,7 @@ class Tiers:
     staging: ScriptedTier | None
     steps: int
     committed_steps: list[int] = field(default_factory=list)
+    memory: ScriptedTier | None = None
 
     def prepare(self) -> None:
         for tier in self.background_tiers():
@@ -120,7 +134,7 @@ class Tiers:
         return [t for t in self.background_tiers() if t.due(step, step == self.steps)]
 
     def background_tiers(self) -> list[CheckpointTier]:
-        return [t for t in (self.local, self.staging) if t is not None]
+        return [t for t in (self.memory, self.local, self.staging) if t is not None]
 
     def before_optimizer_step(self) -> float:
         return 0.0
@@ -132,7 +146,23 @@ class Tiers:
         self.committed_steps.append(step)
 
 
-def _manager(tmp: Path, tiers: Tiers, *settings: str) -> tuple[CheckpointManager, State, PreemptionWatch]:
+class SectionLog(RankMonitor):
+    """The rank monitor without a launcher, recording the sections opened and ended, in order."""
+
+    def __init__(self, cfg: FaultToleranceConfig) -> None:
+        super().__init__(cfg)
+        self.calls: list[tuple[str, str]] = []
+
+    def start(self, section: str) -> None:
+        self.calls.append(("start", section))
+
+    def end(self, section: str) -> None:
+        self.calls.append(("end", section))
+
+
+def _manager(
+    tmp: Path, tiers: Tiers, *settings: str, monitor: type[RankMonitor] = RankMonitor
+) -> tuple[CheckpointManager, State, PreemptionWatch]:
     cfg = load_config(None, [f"train.steps={tiers.steps}", "fault_tolerance.enabled=false", *settings])
     records = AttemptLog(tmp, enabled=True)
     records.begin("attempt-00-t", 1, ["node"], {})
@@ -140,7 +170,7 @@ def _manager(tmp: Path, tiers: Tiers, *settings: str) -> tuple[CheckpointManager
     report = SaveReport(tiers, runlog, TrainingMetrics("t"), records, 0, cfg.checkpoint.on_save_error == "stop")
     watch = PreemptionWatch([signal.SIGUSR2], timeout_s=5.0, on_deadline=lambda name: None)
     state = State()
-    manager = CheckpointManager(cfg, tiers, state, report, RankMonitor(cfg.fault_tolerance), watch)  # type: ignore[arg-type]
+    manager = CheckpointManager(cfg, tiers, state, report, monitor(cfg.fault_tolerance), watch)  # type: ignore[arg-type]
     return manager, state, watch
 
 
@@ -195,6 +225,32 @@ def test_a_save_due_while_one_stopped_writing_is_skipped_but_the_final_one_waits
     _train(manager, state, range(1, 31))
     assert tiers.local.calls == [("start", 10), ("stopped waiting", 10), ("blocking publish", 10), ("start", 30)]
     assert [(e["step"], e["in_flight"]) for e in _events(tmp_path, "save_skipped")] == [(20, 10)]
+
+
+def test_a_snapshot_that_fits_in_a_step_is_judged_by_the_step_timeout_any_other_save_by_checkpointing(
+    tmp_path: Path,
+) -> None:
+    """Tier 0 every step must not put part of every step in the checkpointing section (sized for
+    the slowest save): a rank that hangs there would be found only after that long. Nor must a
+    tier-1 save in flight, whose poll is a status exchange, nor a reshardable one while its writers
+    run. A save due of another tier, the poll that publishes a reshardable save on the training
+    thread (step 17) and the final step are checkpointing."""
+    memory = ScriptedTier("memory", 1, within_step=True, publishes_on_thread=True)
+    local = ScriptedTier("local", 10, write_polls=2, publishes_on_thread=True)
+    tiers = Tiers(local, ScriptedTier("reshardable", 15, write_polls=2), steps=30, memory=memory)
+    manager, state, _ = _manager(tmp_path, tiers, monitor=SectionLog)
+    sections: dict[int, list[tuple[str, str]]] = {}
+    for step in range(1, 31):
+        state.step = step
+        manager.monitor.calls.clear()  # type: ignore[attr-defined]
+        manager.after_step(step, leaving=False)
+        sections[step] = list(manager.monitor.calls)  # type: ignore[attr-defined]
+    in_step = [("end", "checkpointing"), ("end", "step")]  # ending a section not open is a no-op
+    in_checkpointing = [("end", "step"), ("start", "checkpointing"), *in_step]
+    assert {s for s, calls in sections.items() if calls == in_checkpointing} == {10, 15, 17, 20, 30}
+    assert all(calls == in_step for s, calls in sections.items() if s not in (10, 15, 17, 20, 30))
+    assert [s for c, s in memory.calls if c == "start"] == list(range(1, 31))
+    assert [s for c, s in local.calls if c == "publish"] == [10, 20]  # 30: published by finish()
 
 
 def test_a_preemption_publishes_an_emergency_tier1_step_within_the_deadline_and_leaves(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def two_attempts(second_status: str = "succeeded", first_status: str = "failed")
     }  # fmt: skip
     rows = _rows("a", [(k, 10.0 + k) for k in range(1, 6)] + [(6, 17.0), (7, 18.0), (8, 19.0)])
     rows += _rows("b", [(6, 31.0), (7, 32.0), (8, 33.0), (9, 34.0), (10, 35.0)])
-    return [a, b], rows, [15.5]
+    return [a, b], rows, [(15.5, 15.5)]
 
 
 def test_two_attempts_split_into_productive_time_and_badput_by_cause_with_nothing_left_over() -> None:
@@ -93,13 +94,63 @@ def test_an_evaluation_inside_a_step_is_evaluation_badput() -> None:
     assert g.badput_s["evaluation"] == pytest.approx(1.0) and g.badput_s["checkpoint"] == pytest.approx(1.0)
 
 
+def _noisy_run(save_every: int, save_adds: float) -> tuple[list, list, list]:
+    """100 steps of 0.8, 1.0 or 1.2 s in turn (a noisy machine, the same noise for the steps with a
+    save and without), a save inside every ``save_every``-th step adding ``save_adds`` s to it."""
+    attempts = [{"id": "a", "attempt": 1, "status": "succeeded", "process_started_at": 0.0, "ended_at": 200.0}]
+    t, rows, saves = 1.0, [], []
+    for step in range(1, 101):
+        step_s = (0.8, 1.0, 1.2)[step % 3] + (save_adds if step % save_every == 0 else 0.0)
+        if step % save_every == 0:
+            saves.append((t + 0.1, t + step_s / 2))
+        t += step_s
+        rows.append((step, t))
+    return attempts, _rows("a", rows), saves
+
+
+@pytest.mark.parametrize("save_adds", [0.0, 0.5])
+def test_a_saves_cost_is_what_it_adds_to_its_step_not_the_noise_of_the_steps_it_fell_in(save_adds: float) -> None:
+    """Each save step's excess over the median counted every slow step that held a save: a free
+    save every 10 steps was charged 0.2 s each. The median save step minus the median plain step
+    is what a save costs."""
+    attempts, rows, saves = _noisy_run(10, save_adds)
+    g = goodput_of(attempts, rows, saves, [])
+    assert g.badput_s["checkpoint"] - (200.0 - rows[-1]["time"]) == pytest.approx(10 * save_adds, abs=1e-6)
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_a_background_saves_cost_is_counted_in_the_steps_it_overlapped_before_its_publication() -> None:
+    """A tier-0 snapshot starts after step k, its writer slows step k+1, and it is published (its
+    event written) after step k+1, inside step k+2's window: from start to publication it is a span."""
+    attempts, rows, _ = _noisy_run(10, 0.0)
+    slowed = [r["step"] for r in rows if r["step"] % 10 == 1 and r["step"] > 1]
+    shift = 0.0
+    for r in rows:  # the step after each save is 0.5 s slower
+        shift += 0.5 if r["step"] in slowed else 0.0
+        r["time"] += shift
+    times = {r["step"]: r["time"] for r in rows}
+    saves = [(times[k - 1] + 0.01, times[k] + 0.01) for k in slowed]  # published just after step k
+    attempts[0]["ended_at"] = rows[-1]["time"] + 1.0
+    g = goodput_of(attempts, rows, saves, [])
+    assert g.badput_s["checkpoint"] - 1.0 == pytest.approx(0.5 * len(slowed), abs=0.3)
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_with_a_save_in_every_step_the_whole_excess_is_the_saves() -> None:
+    attempts, rows, saves = _noisy_run(1, 0.0)
+    g = goodput_of(attempts, rows, saves, [])
+    steps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:], strict=False)]
+    excess = sum(max(0.0, d - statistics.median(steps)) for d in steps)
+    assert excess > 5 and g.badput_s["checkpoint"] - (200.0 - rows[-1]["time"]) == pytest.approx(excess, abs=1e-6)
+
+
 def _write_run(run: Path) -> None:
     attempts, rows, saves = two_attempts()
     (run / "attempts").mkdir(parents=True)
     for rec in attempts:
         (run / "attempts" / f"attempt-{rec['attempt']:02d}.json").write_text(json.dumps(rec))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    events = [{"event": "save", "tier": "local", "seconds": 0.2, "time": t, "attempt": "a"} for t in saves]
+    events = [{"event": "save", "tier": "local", "seconds": 0.2, "time": t, "attempt": "a"} for _, t in saves]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 

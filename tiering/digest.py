@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -32,6 +31,7 @@ import blake3
 import xxhash
 
 from tiering.errors import VerificationError
+from tiering.hash_threads import hash_lanes
 from tiering.page_cache import ReadAhead
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # measured: bench/suite.py --chunk-sweep (README)
@@ -170,7 +170,7 @@ def _hash_chunks(fd: int, name: str, ranges: list[tuple[int, int]], threads: int
     """Digests of ``ranges`` (a file's chunks, in order), ``threads`` chunks at a time, the next
     chunks requested from the disk ahead of the readers when the file is not all cached."""
     workers = _workers(threads)
-    with ReadAhead(fd, ranges, workers) as ahead, ThreadPoolExecutor(workers) as pool:
+    with ReadAhead(fd, ranges, workers) as ahead:
 
         def one(rng: tuple[int, int]) -> str:
             try:
@@ -178,7 +178,7 @@ def _hash_chunks(fd: int, name: str, ranges: list[tuple[int, int]], threads: int
             finally:
                 ahead.done()
 
-        return list(pool.map(one, ranges))
+        return hash_lanes(workers).map(one, ranges)
 
 
 def hash_file(path: Path, spec: HashSpec = DEFAULT_HASHING) -> ChunkedDigest:
@@ -239,21 +239,7 @@ class ChunkHashingSink:
         self._size = 0
         self._current: Hasher | None = None
         self._digests: dict[int, Hasher] = {}
-        n = _workers(threads)
-        self._queues: list[queue.Queue[tuple[Hasher, memoryview | bytes] | None]] = [
-            queue.Queue(maxsize=64) for _ in range(n)
-        ]
-        self._threads = [
-            threading.Thread(target=self._hash_loop, args=(q,), name=f"chunk-hash-{i}", daemon=True)
-            for i, q in enumerate(self._queues)
-        ]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _hash_loop(q: queue.Queue[tuple[Hasher, memoryview | bytes] | None]) -> None:
-        while (item := q.get()) is not None:
-            item[0].update(item[1])
+        self._lanes = hash_lanes(_workers(threads))  # kept threads: see tiering.hash_threads
 
     def writable(self) -> bool:
         return True
@@ -275,7 +261,7 @@ class ChunkHashingSink:
             if hasher is None:
                 hasher = self._digests[index] = new_hasher(self._name)
             block = bytes(piece) if piece.nbytes < self._COPY_BELOW else piece
-            self._queues[index % len(self._queues)].put((hasher, block))
+            self._lanes.submit(index, hasher.update, block)
         written = 0
         while written < view.nbytes:
             written += self._raw.write(view[written:])
@@ -284,10 +270,7 @@ class ChunkHashingSink:
 
     def finish(self) -> ChunkedDigest:
         """Wait for the hashers; the chunked digest of everything written."""
-        for q in self._queues:
-            q.put(None)
-        for t in self._threads:
-            t.join()
+        self._lanes.drain(range(self._lanes.n))
         chunks = tuple(self._digests[i].hexdigest() for i in range(chunk_count(self._size, self._chunk)))
         return ChunkedDigest(self._name, self._chunk, self._size, chunks)
 
@@ -305,11 +288,11 @@ class ChunkChecker:
     """
 
     def __init__(self, threads: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(_workers(threads))
+        self._lanes = hash_lanes(_workers(threads))  # kept threads: see tiering.hash_threads
         self._futures: list[Future[ChunkFailure | None]] = []
 
     def check(self, rel: str, expected: ChunkedDigest, index: int, data: memoryview) -> Future[ChunkFailure | None]:
-        fut = self._pool.submit(_check_chunk, rel, expected, index, data)
+        fut = self._lanes.submit(len(self._futures), _check_chunk, rel, expected, index, data)
         self._futures.append(fut)
         return fut
 
@@ -325,14 +308,9 @@ class ChunkChecker:
         return futures
 
     def result(self) -> ChunkFailure | None:
-        try:
-            for fut in self._futures:
-                bad = fut.result()
-                if bad is not None:
-                    return bad
-            return None
-        finally:
-            self._pool.shutdown(wait=True)
+        """The first failure, once every check ran (the caller may reuse the buffers then)."""
+        results = [fut.result() for fut in self._futures]
+        return next((bad for bad in results if bad is not None), None)
 
 
 def _check_chunk(rel: str, expected: ChunkedDigest, index: int, data: memoryview) -> ChunkFailure | None:

@@ -28,6 +28,8 @@ import json
 import logging
 import os
 import queue
+import select
+import signal
 import threading
 import time
 import traceback
@@ -48,6 +50,15 @@ log = logging.getLogger(__name__)
 # What a writer may meet from the storage: reported as a failed save (training goes on). Anything
 # else it raises is a bug, raised on the training thread so that it fails the attempt.
 STORAGE_ERRORS = (OSError, TieringError)
+
+# A fork writer's first act is one byte on its pipe. A child that has not sent it this long after
+# the fork never ran any of its code: it is deadlocked in the interpreter's after-fork code, on a
+# lock another thread held at the fork (CPython gh-112275, fixed in 3.11.10 and 3.12; see
+# tiering.hash_threads). It is killed and the save fails at once, instead of passing, a stall
+# deadline later, for a stalled file system. The child is scheduled within milliseconds even on a
+# loaded machine; 10 s leaves room for a host swapping under memory pressure.
+FORK_START_S = 10.0
+_STARTED = b"+"
 
 
 class WriterBug(RuntimeError):
@@ -109,6 +120,9 @@ class BackgroundWrite:
         self.path = path
         self.hashing = hashing
         self.started = time.perf_counter()
+        self.start_timeout_s = FORK_START_S
+        self._child_ran = False  # fork: its first byte arrived
+        self._stuck_at_fork = False  # fork: killed for never starting
         self.snapshot_wait_seconds = 0.0  # what wait_for_snapshot() cost the trainer
         self._pid: int | None = None
         self._report_fd: int | None = None
@@ -196,7 +210,13 @@ class BackgroundWrite:
             self._close_pipe()
             if report.get("bug"):
                 raise WriterBug(f"background writer (pid {self._pid}) raised {report.get('error')}")
-            if os.WIFSIGNALED(status):
+            if self._stuck_at_fork:
+                error = (
+                    f"background writer (pid {self._pid}) never started: {self.start_timeout_s:.0f}s after the fork "
+                    "it had run none of its code (deadlocked in the interpreter's after-fork code, CPython gh-112275); "
+                    "killed, the step is not committed and the next save forks again; fix: Python >= 3.11.10"
+                )
+            elif os.WIFSIGNALED(status):
                 error = killed_by_signal(self._pid, os.WTERMSIG(status))
             elif os.WEXITSTATUS(status) != 0:
                 detail = report.get("error", "no detail")
@@ -214,13 +234,30 @@ class BackgroundWrite:
         return self._outcome
 
     def _wait_child(self, block: bool, timeout: float | None) -> tuple[int, int]:
+        """``waitpid`` of the writer (``(0, 0)`` while it runs); a child that never started is
+        killed and reaped here, whether or not the caller blocks."""
         assert self._pid is not None
-        if not block or timeout is None:
-            return os.waitpid(self._pid, 0 if block else os.WNOHANG)
-        end = time.monotonic() + timeout
-        while (found := os.waitpid(self._pid, os.WNOHANG))[0] == 0 and time.monotonic() < end:
+        end = None if timeout is None else time.monotonic() + timeout
+        while (found := os.waitpid(self._pid, os.WNOHANG))[0] == 0:
+            if self._never_started():
+                self._stuck_at_fork = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._pid, signal.SIGKILL)
+                return os.waitpid(self._pid, 0)  # a futex wait, not the kernel's: SIGKILL ends it
+            if not block or (end is not None and time.monotonic() >= end):
+                break
             time.sleep(0.01)
         return found
+
+    def _never_started(self) -> bool:
+        """Whether the child sent nothing ``start_timeout_s`` after the fork (reads its first byte)."""
+        if self._child_ran or self._report_fd is None:
+            return False
+        if select.select([self._report_fd], [], [], 0)[0]:
+            os.read(self._report_fd, 1)  # its start byte, or the end of the pipe: either way it ran
+            self._child_ran = True
+            return False
+        return time.perf_counter() - self.started > self.start_timeout_s
 
     def kill(self, wait_s: float | None = None) -> None:
         """Stop a fork writer that is no longer wanted (its step will not be committed). A writer
@@ -396,6 +433,7 @@ def _read_report(fd: int | None) -> dict[str, Any]:
     raw = b""
     while chunk := os.read(fd, 65536):
         raw += chunk
+    raw = raw.removeprefix(_STARTED)  # unless the parent's poll read it already
     try:
         report = json.loads(raw)
     except ValueError:
@@ -416,6 +454,9 @@ def _child_write(
     code = 0
     report: dict[str, Any] = {}
     try:
+        if fault == "stuck-at-fork":  # tests: a child that never runs its code (see FORK_START_S)
+            time.sleep(3600)
+        os.write(report_fd, _STARTED)
         if fault == "hang":  # tests: a writer that never finishes (killed from outside)
             time.sleep(3600)
         if fault == "slow":  # tests: a slow filesystem

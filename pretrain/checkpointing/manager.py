@@ -78,13 +78,25 @@ class CheckpointManager:
 
     def after_step(self, step: int, leaving: bool) -> None:
         """Save to the tiers due at ``step``, publish finished background saves, and when
-        ``leaving`` (every rank agreed on a preemption signal) publish tier 1 and raise PreemptedError."""
+        ``leaving`` (every rank agreed on a preemption signal) publish tier 1 and raise PreemptedError.
+
+        Called with the loop's ``step`` section still open, and ends it. Work that fits in a step
+        (tier 0's snapshot, the seal the optimizer step waits for anyway; the poll of a save in
+        flight that only checks on it) stays in it, judged by the measured step timeout, so a rank
+        that hangs there is found within a few step times; any other save, or a poll that may
+        publish on this thread (the reshardable tier's finalize), runs in the ``checkpointing``
+        section, sized for the slowest save.
+        """
         due = self.tiers.due(step)
         saved_local = False
-        if due:
+        if leaving or step == self.cfg.train.steps or self._beyond_a_step(due):
+            self.monitor.end("step")
             self.monitor.start("checkpointing")  # judged by the checkpointing timeout, not the step's
+        if any(not tier.within_step for tier in due):
             maybe_slow_save(self.cfg.fault_tolerance.inject, step)
-        for tier in due:
+        # Tier 0 last: the other tiers' writers fork, and a fork should find no other thread of
+        # this process at work (tier 0's writer would be one; see tiering.hash_threads).
+        for tier in sorted(due, key=lambda t: t.within_step):
             if self.background:
                 self._start_background(tier, step)
                 continue
@@ -99,6 +111,7 @@ class CheckpointManager:
         done = self._poll(block=leaving, tiers=local)
         saved_local = saved_local or any(d.tier == "local" and d.step == step for d in done)
         self.monitor.end("checkpointing")
+        self.monitor.end("step")
         if leaving:
             self._leave(saved_local)
 
@@ -113,6 +126,13 @@ class CheckpointManager:
             tier.abandon_async()
 
     # -- internals -------------------------------------------------------------------------------
+    def _beyond_a_step(self, due: list[CheckpointTier]) -> bool:
+        """Whether this step's checkpoint work may outlast a step: a save due of a tier whose save
+        does not fit in a step, or one in flight whose poll may not."""
+        busy = [t for t in self.tiers.background_tiers() if t.in_flight is not None]
+        fits = [t.poll_fits_in_step() for t in busy]  # each asked: a collective on every rank
+        return any(not t.within_step for t in due) or not all(fits)
+
     def _start_background(self, tier: CheckpointTier, step: int) -> None:
         final = step == self.cfg.train.steps  # the last step is never skipped
         if tier.busy():

@@ -90,6 +90,7 @@ class Found:
 
 class MemoryTier:
     name = "memory"
+    within_step = True  # a tmpfs write the optimizer step waits for: judged by the step timeout
 
     def __init__(self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int]) -> None:
         mem = cfg.checkpoint.memory
@@ -245,6 +246,9 @@ class MemoryTier:
             self._stream = None
             return skipped
         return self._stream.take_skipped()
+
+    def poll_fits_in_step(self) -> bool:
+        return True  # a status exchange and the seal, already waited for before the optimizer step
 
     def abandon_async(self) -> None:
         """Leaving after a failure: a tmpfs write cannot hang on a device, so let it finish (and

@@ -100,6 +100,7 @@ class Placement:
 
 class PerRankCheckpoints:
     name = "local"
+    within_step = False
 
     def __init__(
         self,
@@ -422,6 +423,9 @@ class PerRankCheckpoints:
         if entry is None or entry["write"] is None:
             return 0.0
         return entry["write"].wait_for_snapshot()
+
+    def poll_fits_in_step(self) -> bool:
+        return True  # a status exchange: the commit and replication run on a publisher thread
 
     def abandon_async(self) -> None:
         """Leaving without publishing (an exception unwinds the loop): stop a fork writer; give

@@ -86,6 +86,7 @@ POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) t
 
 class ReshardableCheckpoints:
     name = "reshardable"
+    within_step = False
 
     def __init__(
         self,
@@ -112,6 +113,8 @@ class ReshardableCheckpoints:
         self._record_event = record_event
         self._queue = _new_queue()
         self._inflight: dict[str, Any] | None = None
+        # Whether the next non-blocking poll may finalize (see poll_fits_in_step): agreed per step.
+        self._may_finalize = True
         self.storage = SharedStorageHealth(
             self.tier.layout.run_dir, coll, tier_cfg.stall_timeout_s, tier_cfg.probe_interval_s, self._report_stall
         )
@@ -223,6 +226,19 @@ class ReshardableCheckpoints:
             raise PublishError(f"step {entry['step']} is not published in the reshardable tier: {error}")
         return self._commit(entry["step"], entry["tmp"], entry["manifest"], error, entry["t0"], entry["blocked"])
 
+    def poll_fits_in_step(self) -> bool:
+        """Collective: True while some rank's writer still runs, and then the next non-blocking
+        poll does not finalize even if the last writer ends meanwhile (only the stall verdict is
+        asked): Megatron's finalize and the commit write to shared storage on the training thread,
+        and are judged by the checkpointing section, as a save, at the next step."""
+        entry = self._inflight
+        if entry is None or entry["error"] is not None:
+            return entry is None
+        writer = self._writer_process()
+        ended = all(self.coll.all_gather(writer is None or writer.exitcode is not None))
+        self._may_finalize = ended
+        return not ended
+
     def _writers_done(self, entry: dict[str, Any], block: bool, stop_when_idle: bool) -> tuple[bool, str | None]:
         """Collective: (every rank's writer ended, the error if one failed or stalled: see
         :class:`~pretrain.checkpointing.shared_health.WriteWatch`); ``block`` waits until the
@@ -231,9 +247,10 @@ class ReshardableCheckpoints:
         for it inside the checkpointing section may not live to see)."""
         writer = self._writer_process()
         watch: WriteWatch = entry["watch"]
+        may_finalize, self._may_finalize = self._may_finalize or block, True  # agreed for this poll only
         while True:
             try:
-                if self._queue.maybe_finalize_async_calls(blocking=False):
+                if may_finalize and self._queue.maybe_finalize_async_calls(blocking=False):
                     return True, None
             except (Exception, CheckpointException) as exc:  # raised on every rank by Megatron
                 code = writer.exitcode if writer is not None else None

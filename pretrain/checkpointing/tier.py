@@ -21,6 +21,10 @@ from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingStat
 
 class CheckpointTier(Protocol):
     name: str
+    # True when a save's work on the training thread, and the wait for it, fit in a training step
+    # (tier 0: a tmpfs write the optimizer step waits for anyway): the manager leaves it in the
+    # ``step`` section, judged by the measured step timeout. False: the ``checkpointing`` section.
+    within_step: bool
 
     def due(self, step: int, final: bool) -> bool:
         """Whether this tier saves at ``step`` (``final``: the run's last step)."""
@@ -56,6 +60,14 @@ class CheckpointTier(Protocol):
 
     def abandon_async(self) -> None:
         """After a failure: stop the background writer; its step is never committed."""
+        ...
+
+    def poll_fits_in_step(self) -> bool:
+        """Collective while a save is in flight, before the step's non-blocking poll: True when that
+        poll only checks on the save (tier 0's seal; tier 1, whose commit runs on a publisher
+        thread; the reshardable tier while a writer runs), False when it may publish on the
+        training thread (the reshardable tier's finalize and commit, once every writer ended):
+        the manager then judges it by the ``checkpointing`` section, as a save."""
         ...
 
 

@@ -12,12 +12,13 @@ into productive seconds and badput by cause:
 * ``preemption_wait``: the same gap after a preempted attempt (the scheduler's requeue included);
 * ``restore``: the restore of each attempt that restored (its recorded seconds);
 * ``recomputed_steps``: steps an earlier attempt had already finished, trained again;
-* ``checkpoint``: the time a step took beyond the run's median step when a save fell inside it
-  (blocked time plus step excess), and the end of a finished attempt after its last step (final save);
-* ``evaluation``: the same excess when an evaluation fell inside it.
+* ``checkpoint``: what a save adds to the steps it overlaps, from its start to its publication
+  (blocked time plus step excess: the typical step overlapped by a save minus the typical plain
+  step, see :func:`_step_cost`), and the end of a finished attempt after its last step (final save);
+* ``evaluation``: the same for an evaluation.
 
 A step's own time is the gap between its row and the row before it in the same attempt (an
-attempt's first step counts the median). Excess without a save or an evaluation inside it is noise
+attempt's first step counts a plain step). Excess beyond what a save or an evaluation adds is noise
 of the machine, counted with its step (productive, or recomputed).
 
 The split is a partition by construction: the records are read as one timeline from the first
@@ -43,6 +44,12 @@ from prometheus_client.registry import Collector
 
 from pretrain.observability.runlog import read_jsonl
 from pretrain.resilience.attempts import read_attempts
+
+Span = tuple[float, float]  # (start, end) wall times
+
+# Plain steps (no save, no evaluation) needed to tell a save's cost from the machine's noise.
+MIN_PLAIN_STEPS = 5
+MIN_PLAIN_SHARE = 0.2
 
 CAUSES = (
     "startup",
@@ -91,6 +98,10 @@ def _within(times: list[float], lo: float, hi: float) -> bool:
     return any(lo < t <= hi for t in times)
 
 
+def _overlaps(spans: list[Span], lo: float, hi: float) -> bool:
+    return any(start < hi and end > lo for start, end in spans)
+
+
 class _Timeline:
     """The run's wall time handed out once, in order: each ``take`` gives the seconds from where the
     last one stopped up to ``until`` to one cause, so the parts partition the wall time whatever the
@@ -118,9 +129,11 @@ class _Timeline:
 
 
 def goodput_of(
-    attempts: list[dict[str, Any]], rows: list[dict[str, Any]], saves: list[float], evals: list[float]
+    attempts: list[dict[str, Any]], rows: list[dict[str, Any]], saves: list[Span], evals: list[float]
 ) -> Goodput:
-    """The split (see the module docstring) of records already read; pure."""
+    """The split (see the module docstring) of records already read; pure. ``saves``: each save
+    from its start to its publication (a background save spans the steps its writer overlapped);
+    ``evals``: the end of each evaluation."""
     g = Goodput()
     attempts = [a for a in attempts if _start(a) is not None and a.get("status") != "unreadable"]
     train = sorted((r for r in rows if r.get("kind") != "validation"), key=lambda r: r["time"])
@@ -129,8 +142,7 @@ def goodput_of(
     by_attempt: dict[str, list[dict[str, Any]]] = {}
     for r in train:
         by_attempt.setdefault(r["attempt"], []).append(r)
-    deltas = [b["time"] - a["time"] for rs in by_attempt.values() for a, b in zip(rs, rs[1:], strict=False)]
-    median = statistics.median(deltas) if deltas else 0.0
+    step_cost = _step_cost(by_attempt, saves, evals)
     attempts.sort(key=lambda a: _start(a) or 0.0)
     begin = _start(attempts[0]) or 0.0
     line = _Timeline(g, begin)
@@ -142,7 +154,7 @@ def goodput_of(
         line.take(gap_cause, _start(rec) or 0.0)  # the previous attempt's end to this one's process start
         mine = by_attempt.get(rec.get("id", ""), [])
         if mine:
-            _attempt_steps(line, rec, mine, median, reached, recovery, (saves, evals))
+            _attempt_steps(line, rec, mine, step_cost, reached, recovery, (saves, evals))
             reached = max(reached, max(r["step"] for r in mine))
             tail = {"succeeded": "checkpoint", "preempted": "preemption_wait"}.get(rec.get("status", ""), gap_cause)
         else:
@@ -156,19 +168,59 @@ def goodput_of(
     return g
 
 
+@dataclass(frozen=True)
+class _StepCost:
+    """A plain step's time, and what a save or an evaluation inside a step adds to it."""
+
+    plain: float
+    save: float | None  # None: too few plain steps to tell (a save every step or two): the whole excess
+    evaluation: float | None
+
+
+def _step_cost(by_attempt: dict[str, list[dict[str, Any]]], saves: list[Span], evals: list[float]) -> _StepCost:
+    """What a step overlapped by a save (or holding an evaluation) takes beyond a plain step: the
+    mean of the one minus the mean of the other. The noise of the machine is in both and cancels
+    (a trimmed mean would drop the saves' costliest steps: the fork, the copy-on-write faults).
+
+    Not each overlapped step's excess over the median: that is the noise of every step that held a
+    save. On 1,000 steps of the tiny config (2 ranks, 2 cores), tier 1 every 10 steps and the
+    reshardable tier every 20 cost 21.5-29.7 s against a run without them (its final save counted);
+    that way charged 2.4-3.7 s, this way 18.3-19.2 s (with tier 0 every 5 steps too: 23.3-31.2 s
+    cost, 4.4-5.8 s against 22.9-25.6 s charged). With fewer than ``MIN_PLAIN_SHARE``
+    of the steps plain (a save every step or two) the two cannot be told apart from one run: the
+    whole excess over the median is charged, and a save's constant part, in every step alike, is
+    missed (compare with a run without it: ``pretrain soak`` arms)."""
+    windows: dict[str, list[float]] = {"save": [], "evaluation": [], "plain": []}
+    for rs in by_attempt.values():
+        for a, b in zip(rs, rs[1:], strict=False):
+            kind = "save" if _overlaps(saves, a["time"], b["time"]) else "plain"
+            kind = "evaluation" if kind == "plain" and _within(evals, a["time"], b["time"]) else kind
+            windows[kind].append(b["time"] - a["time"])
+    every = [d for ds in windows.values() for d in ds]
+    if len(windows["plain"]) < max(MIN_PLAIN_STEPS, MIN_PLAIN_SHARE * len(every)):
+        return _StepCost(statistics.median(every) if every else 0.0, None, None)
+    plain = statistics.fmean(windows["plain"])
+
+    def added(kind: str) -> float | None:
+        return max(0.0, statistics.fmean(windows[kind]) - plain) if windows[kind] else None
+
+    return _StepCost(statistics.median(windows["plain"]), added("save"), added("evaluation"))
+
+
 def _attempt_steps(
     line: _Timeline,
     rec: dict[str, Any],
     mine: list[dict[str, Any]],
-    median: float,
+    cost: _StepCost,
     reached: int,
     recovery: str,
-    marks: tuple[list[float], list[float]],
+    marks: tuple[list[Span], list[float]],
 ) -> None:
     """One attempt from its process start to its last step: start-up or restart, restore, the first
-    step (the run's median step at most), then each step (its excess over the median goes to a save
-    or an evaluation that fell inside it, else stays productive: the machine's noise)."""
+    step (a plain step at most), then each step: a plain step's time, then what a save or an
+    evaluation inside it adds (see :func:`_step_cost`), the rest productive (the machine's noise)."""
     saves, evals = marks
+    median = cost.plain
     first = mine[0]
     restore = float((rec.get("restored") or {}).get("seconds") or 0.0)
     # the first step's window: start-up, then the restore, then the step itself (restore and step
@@ -181,20 +233,24 @@ def _attempt_steps(
     line.take("recomputed_steps" if first["step"] <= reached else None, first["time"])
     for a, b in zip(mine, mine[1:], strict=False):
         step_cause = "recomputed_steps" if b["step"] <= reached else None
+        mark = "checkpoint" if _overlaps(saves, a["time"], b["time"]) else None
+        mark = "evaluation" if mark is None and _within(evals, a["time"], b["time"]) else mark
+        added = cost.save if mark == "checkpoint" else cost.evaluation
+        if mark is not None and added is not None:  # first, so a step faster than usual still pays it
+            line.take_for(mark, added, b["time"])
         line.take_for(step_cause, median, b["time"])
-        if _within(saves, a["time"], b["time"]):
-            line.take("checkpoint", b["time"])
-        elif _within(evals, a["time"], b["time"]):
-            line.take("evaluation", b["time"])
-        else:
-            line.take(step_cause, b["time"])  # the machine's noise: still training (or training again)
+        if mark is not None and added is None:
+            line.take(mark, b["time"])
+        line.take(step_cause, b["time"])  # the machine's noise: still training (or training again)
 
 
 def goodput_from_records(run_dir: Path, until: float | None = None) -> Goodput:
     """Goodput of the run in ``run_dir`` (``<run.dir>/<run.id>``) from its records (``until``: only
     the attempts that started before that time, and their rows)."""
     events = read_jsonl(run_dir / "events.jsonl")
-    saves = [float(e["time"]) for e in events if e.get("event") == "save"]
+    saves = [
+        (float(e["time"]) - float(e.get("seconds") or 0.0), float(e["time"])) for e in events if e["event"] == "save"
+    ]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     evals = [float(r["time"]) for r in rows if r.get("kind") == "validation"]
     attempts = read_attempts(run_dir)

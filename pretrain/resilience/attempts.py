@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pretrain.platform.procfs import START_TICKS, stat_fields
 from pretrain.resilience.failures import Classification, FailureInfo
 from pretrain.resilience.phases import PULSE_S, fatal_signal, ranks_dir, read_phases, record_of
 from tiering.fsio import atomic_write_bytes
@@ -93,8 +94,7 @@ def _process_start() -> float:
     ``create_time`` adds that tick to ``/proc/stat``'s boot time, truncated to a whole second, so it
     reads up to a second early: a restarted attempt then seemed to start before the last one ended."""
     try:
-        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(after_name[19])  # field 22, starttime; the fields after the name start at 3
+        ticks = int(stat_fields(Path("/proc/self/stat"))[START_TICKS])
     except (OSError, ValueError, IndexError):  # not Linux: psutil's figure, a second coarse
         import psutil  # deferred: only where /proc is missing
 

@@ -34,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from pretrain.platform.procfs import EXIT_CODE, STATE, stat_fields
 from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.wire import RankRequest
 
@@ -238,15 +239,16 @@ def held_status(pid: int) -> int | None:
     try:
         tasks = list((proc / "task").iterdir())
         masks = [_pending(proc / "status", "ShdPnd:")] + [_pending(t / "status", "SigPnd:") for t in tasks]
-        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
+        states = [stat_fields(t / "stat")[STATE] for t in tasks]
         if not any(mask & _SIGKILL_BIT for mask in masks) or "D" not in states:
             return None
-        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(proc / "stat")
     except (OSError, ValueError, StopIteration, IndexError):
         return None
-    # A leader that exited already is a zombie holding its exit status (field 52 of stat, the
-    # 50th after the name); one still in the kernel ends of the pending SIGKILL.
-    return int(fields[49]) if fields[0] == "Z" and len(fields) > 49 else signal.SIGKILL
+    # A leader that exited already is a zombie holding its exit status; one still in the kernel
+    # ends of the pending SIGKILL.
+    exited = fields[STATE] == "Z" and len(fields) > EXIT_CODE
+    return int(fields[EXIT_CODE]) if exited else signal.SIGKILL
 
 
 def _pending(status_file: Path, field: str) -> int:
