@@ -13,8 +13,8 @@ into productive seconds and badput by cause:
 * ``restore``: the restore of each attempt that restored (its recorded seconds);
 * ``recomputed_steps``: steps an earlier attempt had already finished, trained again;
 * ``checkpoint``: what a save adds to the steps it overlaps, from its start to its publication
-  (blocked time plus step excess: the typical step overlapped by a save minus the typical plain
-  step, see :func:`_step_cost`), and the end of a finished attempt after its last step (final save);
+  (blocked time plus step excess: the mean step overlapped by a save minus the mean plain step,
+  see :func:`_step_cost`), and the end of a finished attempt after its last step (final save);
 * ``evaluation``: the same for an evaluation.
 
 A step's own time is the gap between its row and the row before it in the same attempt (an
@@ -32,6 +32,8 @@ and ``pretrain drill`` print it; :class:`GoodputCollector` exports it to Prometh
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -94,12 +96,25 @@ def _start(rec: dict[str, Any]) -> float | None:
     return None
 
 
-def _within(times: list[float], lo: float, hi: float) -> bool:
-    return any(lo < t <= hi for t in times)
+class _Marks:
+    """What fell inside a step's window ``(lo, hi]``: a save (``checkpoint``) overlapping it, else an
+    evaluation ending in it, else nothing. Built once per run and asked per step in O(log n): the
+    Prometheus collector splits the whole run at every scrape, and a run with a save every step has
+    as many saves as steps."""
 
+    def __init__(self, saves: list[Span], evals: list[float]) -> None:
+        spans = sorted(saves)
+        self._starts = [start for start, _ in spans]
+        self._latest_end = list(itertools.accumulate((end for _, end in spans), max))  # of the spans so far
+        self._evals = sorted(evals)
 
-def _overlaps(spans: list[Span], lo: float, hi: float) -> bool:
-    return any(start < hi and end > lo for start, end in spans)
+    def at(self, lo: float, hi: float) -> str | None:
+        begun = bisect.bisect_left(self._starts, hi)  # the spans that start before hi
+        if begun and self._latest_end[begun - 1] > lo:
+            return "checkpoint"
+        if bisect.bisect_right(self._evals, hi) > bisect.bisect_right(self._evals, lo):
+            return "evaluation"
+        return None
 
 
 class _Timeline:
@@ -142,7 +157,8 @@ def goodput_of(
     by_attempt: dict[str, list[dict[str, Any]]] = {}
     for r in train:
         by_attempt.setdefault(r["attempt"], []).append(r)
-    step_cost = _step_cost(by_attempt, saves, evals)
+    marks = _Marks(saves, evals)
+    step_cost = _step_cost(by_attempt, marks)
     attempts.sort(key=lambda a: _start(a) or 0.0)
     begin = _start(attempts[0]) or 0.0
     line = _Timeline(g, begin)
@@ -154,7 +170,7 @@ def goodput_of(
         line.take(gap_cause, _start(rec) or 0.0)  # the previous attempt's end to this one's process start
         mine = by_attempt.get(rec.get("id", ""), [])
         if mine:
-            _attempt_steps(line, rec, mine, step_cost, reached, recovery, (saves, evals))
+            _attempt_steps(line, rec, mine, step_cost, reached, recovery, marks)
             reached = max(reached, max(r["step"] for r in mine))
             tail = {"succeeded": "checkpoint", "preempted": "preemption_wait"}.get(rec.get("status", ""), gap_cause)
         else:
@@ -177,7 +193,7 @@ class _StepCost:
     evaluation: float | None
 
 
-def _step_cost(by_attempt: dict[str, list[dict[str, Any]]], saves: list[Span], evals: list[float]) -> _StepCost:
+def _step_cost(by_attempt: dict[str, list[dict[str, Any]]], marks: _Marks) -> _StepCost:
     """What a step overlapped by a save (or holding an evaluation) takes beyond a plain step: the
     mean of the one minus the mean of the other. The noise of the machine is in both and cancels
     (a trimmed mean would drop the saves' costliest steps: the fork, the copy-on-write faults).
@@ -190,21 +206,19 @@ def _step_cost(by_attempt: dict[str, list[dict[str, Any]]], saves: list[Span], e
     of the steps plain (a save every step or two) the two cannot be told apart from one run: the
     whole excess over the median is charged, and a save's constant part, in every step alike, is
     missed (compare with a run without it: ``pretrain soak`` arms)."""
-    windows: dict[str, list[float]] = {"save": [], "evaluation": [], "plain": []}
+    windows: dict[str | None, list[float]] = {"checkpoint": [], "evaluation": [], None: []}
     for rs in by_attempt.values():
         for a, b in zip(rs, rs[1:], strict=False):
-            kind = "save" if _overlaps(saves, a["time"], b["time"]) else "plain"
-            kind = "evaluation" if kind == "plain" and _within(evals, a["time"], b["time"]) else kind
-            windows[kind].append(b["time"] - a["time"])
+            windows[marks.at(a["time"], b["time"])].append(b["time"] - a["time"])
     every = [d for ds in windows.values() for d in ds]
-    if len(windows["plain"]) < max(MIN_PLAIN_STEPS, MIN_PLAIN_SHARE * len(every)):
+    if len(windows[None]) < max(MIN_PLAIN_STEPS, MIN_PLAIN_SHARE * len(every)):
         return _StepCost(statistics.median(every) if every else 0.0, None, None)
-    plain = statistics.fmean(windows["plain"])
+    plain = statistics.fmean(windows[None])
 
     def added(kind: str) -> float | None:
         return max(0.0, statistics.fmean(windows[kind]) - plain) if windows[kind] else None
 
-    return _StepCost(statistics.median(windows["plain"]), added("save"), added("evaluation"))
+    return _StepCost(statistics.median(windows[None]), added("checkpoint"), added("evaluation"))
 
 
 def _attempt_steps(
@@ -214,12 +228,11 @@ def _attempt_steps(
     cost: _StepCost,
     reached: int,
     recovery: str,
-    marks: tuple[list[Span], list[float]],
+    marks: _Marks,
 ) -> None:
     """One attempt from its process start to its last step: start-up or restart, restore, the first
     step (a plain step at most), then each step: a plain step's time, then what a save or an
     evaluation inside it adds (see :func:`_step_cost`), the rest productive (the machine's noise)."""
-    saves, evals = marks
     median = cost.plain
     first = mine[0]
     restore = float((rec.get("restored") or {}).get("seconds") or 0.0)
@@ -233,8 +246,7 @@ def _attempt_steps(
     line.take("recomputed_steps" if first["step"] <= reached else None, first["time"])
     for a, b in zip(mine, mine[1:], strict=False):
         step_cause = "recomputed_steps" if b["step"] <= reached else None
-        mark = "checkpoint" if _overlaps(saves, a["time"], b["time"]) else None
-        mark = "evaluation" if mark is None and _within(evals, a["time"], b["time"]) else mark
+        mark = marks.at(a["time"], b["time"])
         added = cost.save if mark == "checkpoint" else cost.evaluation
         if mark is not None and added is not None:  # first, so a step faster than usual still pays it
             line.take_for(mark, added, b["time"])
@@ -248,9 +260,8 @@ def goodput_from_records(run_dir: Path, until: float | None = None) -> Goodput:
     """Goodput of the run in ``run_dir`` (``<run.dir>/<run.id>``) from its records (``until``: only
     the attempts that started before that time, and their rows)."""
     events = read_jsonl(run_dir / "events.jsonl")
-    saves = [
-        (float(e["time"]) - float(e.get("seconds") or 0.0), float(e["time"])) for e in events if e["event"] == "save"
-    ]
+    done = [e for e in events if e.get("event") == "save"]  # each from its start to its publication
+    saves = [(float(e["time"]) - float(e.get("seconds") or 0.0), float(e["time"])) for e in done]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     evals = [float(r["time"]) for r in rows if r.get("kind") == "validation"]
     attempts = read_attempts(run_dir)
