@@ -22,7 +22,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -308,7 +308,9 @@ class ChunkChecker:
         return futures
 
     def result(self) -> ChunkFailure | None:
-        """The first failure, once every check ran (the caller may reuse the buffers then)."""
+        """The first failure, once every check ran (the caller may reuse the buffers then; a check
+        that raised is raised only after the others ended)."""
+        wait(self._futures)
         results = [fut.result() for fut in self._futures]
         return next((bad for bad in results if bad is not None), None)
 
