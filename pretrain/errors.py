@@ -83,3 +83,8 @@ class IncompatibleCheckpoint(PretrainError, CheckpointError):
 class FreshStartRefused(PretrainError, CheckpointError):
     """Committed steps of the run exist but none can be obtained by every rank: starting from step 0
     would silently throw the run away. One line: where the copies are, why they are unusable, the fix."""
+
+
+class AgentGone(PretrainError):
+    """The node's checkpoint agent did not answer in time, or refused a request (one line: why).
+    Training goes on with tier 0 alone; the next tier-1 save starts a new agent."""

@@ -109,6 +109,7 @@ class MemoryTier:
         self._inflight: _SlotWrite | None = None
         self._sequence: int | None = None
         self._mapped: set[int] = set()  # slots a loaded state may still map: rewritten on a new inode
+        self._agent_pins: frozenset[int] = frozenset()  # slots the node's agent is copying to tier 1
 
     def attach_peers(self, holders: dict[int, list[int]], transport: Transport) -> None:
         """Stream each sealed slot to ``holders[rank]`` and hold the copies of the owners whose
@@ -169,9 +170,29 @@ class MemoryTier:
         while another slot qualifies (``slots: 3`` always leaves one)."""
 
         def choose(pinned: frozenset[int]) -> int:
-            return slot_to_write(views, self.cfg.run.id, pinned)
+            return slot_to_write(views, self.cfg.run.id, pinned | self._agent_pins)
 
         return self._stream.claim_slot_to_write(choose) if self._stream is not None else choose(frozenset())
+
+    # -- what the agent tier asks (pretrain.checkpointing.agent_tier.SealedSlots) -----------------
+    def sealed_slot(self, step: int) -> int | None:
+        """This rank's slot sealed with ``step`` (its header alone is read: tmpfs)."""
+        if self.sealing(step):
+            return None
+        found = [v for v in loadable(self.store.views(), self.cfg.run.id, step) if v.step == step]
+        return found[0].index if found else None
+
+    def sealing(self, step: int) -> bool:
+        job = self._inflight
+        return job is not None and job.step == step and job.done is not None and not job.done.is_set()
+
+    def wait_sealed(self, timeout: float) -> None:
+        job = self._inflight
+        if job is not None and job.done is not None:
+            job.done.wait(timeout)
+
+    def pin(self, slots: frozenset[int]) -> None:
+        self._agent_pins = slots
 
     def before_optimizer_step(self) -> float:
         """The optimizer is about to change the tensors being serialised: wait until the slot is
