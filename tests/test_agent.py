@@ -27,6 +27,7 @@ import torch
 from pretrain.checkpointing.agent.client import AgentLink
 from pretrain.checkpointing.agent.drain import TORN, Persist, SlotDrain
 from pretrain.checkpointing.agent.server import AgentSpec
+from pretrain.commands.status import format_status
 from pretrain.errors import AgentGone
 from tests.helpers import events, metrics_by_step, overrides_for, tmpfs, torchrun
 from tiering.digest import HashSpec
@@ -236,6 +237,19 @@ def test_an_idle_agent_exits_once_no_rank_is_connected(shm_dir: Path, tmp_path: 
     wait_for(lambda: _ended(pid), timeout=10)
 
 
+def _agents_of(shm: Path) -> list[int]:
+    """The agents serving tier-0 root ``shm`` (alive, not zombies)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"pretrain.checkpointing.agent" in cmd and str(shm).encode() in cmd and not _ended(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
 def _ended(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a child of this test: a zombie
@@ -271,7 +285,7 @@ def test_tier1_through_the_agent_publishes_every_save_and_resumes_bit_exact_from
         "checkpoint.agent.enabled": "true",
         "checkpoint.agent.idle_exit_s": 5,
     }
-    ov = overrides_for(job, corpus, **COMMON, **agent, **{"train.steps": 17})
+    ov = overrides_for(job, corpus, **{**COMMON, "train.steps": 17}, **agent)
     torchrun(job, 2, ov)
     steps_dir = job / "ckpt" / RUN / "ranks"
     for rank in (0, 1):
@@ -280,11 +294,14 @@ def test_tier1_through_the_agent_publishes_every_save_and_resumes_bit_exact_from
         for step in store.committed_steps():
             manifest = verify_step(store.step_path(step), expect_run_id=RUN)
             assert manifest.extra["persisted_by"] == "agent", (rank, step)
+    wait_for(lambda: not _agents_of(shm_dir), timeout=30)
+    assert "newest tier-1 step by rank {'0': 17, '1': 17}" in format_status(job / "runs" / RUN)
     saves = [e for e in events(job / "runs" / RUN) if e["event"] == "save" and e.get("tier") == "local"]
     assert {e["step"] for e in saves} == {5, 10, 15, 17}
     assert steps_dir.is_dir()
     subprocess.run(["rm", "-rf", str(shm_dir)], check=True)  # tier 0 gone: tier 1 must serve
     torchrun(job, 2, overrides_for(job, corpus, **COMMON, **agent))
+    wait_for(lambda: not _agents_of(shm_dir), timeout=30)  # told the final step is persisted: gone
     restore = [e for e in events(job / "runs" / RUN) if e["event"] == "restore"][-1]
     assert (restore["tier"], restore["step"]) == ("local", 17), restore
     got, want = metrics_by_step(job / "runs" / RUN), metrics_by_step(base / "runs" / RUN)

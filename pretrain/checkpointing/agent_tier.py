@@ -84,6 +84,7 @@ class AgentTier:
         fallback: Fallback,
         stall_deadline_s: float,
         where: Path,
+        final_step: int,
     ) -> None:
         self.coll = coll
         self.rank = coll.rank
@@ -93,6 +94,7 @@ class AgentTier:
         self.fallback = fallback
         self.stall_deadline_s = stall_deadline_s
         self.where = where  # this rank's tier-1 steps (reported, never touched here)
+        self.final_step = final_step  # once persisted, the agent may exit when the ranks are gone
         self.floor: int | None = None  # the newest step every rank's agent persisted
         self._pending: _Pending | None = None
         self._gone_reported = False
@@ -194,6 +196,13 @@ class AgentTier:
         self.memory.pin(frozenset({slot}))
         return RUNNING
 
+    def _release_agent(self) -> None:
+        """The run's final step is persisted everywhere: the agent may exit once this rank leaves."""
+        try:
+            self.link.request({"op": "finish"})
+        except AgentGone as exc:
+            log.info("rank %d: %s (after the final step: nothing lost)", self.rank, exc)
+
     def _gone(self, exc: AgentGone) -> str:
         if not self._gone_reported:
             log.warning(
@@ -216,5 +225,7 @@ class AgentTier:
             raise PublishError(f"step {job.step} is not complete in tier 1: rank {failed[0]}: {failed[1]}")
         self.floor = job.step
         self._gone_reported = False
+        if job.step == self.final_step:
+            self._release_agent()
         seconds = time.perf_counter() - job.t0
         return SaveResult(self.name, job.step, seconds, job.nbytes, self.where, blocked_seconds=0.0)

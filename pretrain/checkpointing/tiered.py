@@ -103,7 +103,14 @@ class TieredCheckpointer:
             )
         link = AgentLink(spec, ck.agent.timeout_s)
         return AgentTier(
-            self.coll, ck.local.interval, memory, link, local, local.stall_deadline(), local.store.layout.steps_dir
+            self.coll,
+            ck.local.interval,
+            memory,
+            link,
+            local,
+            local.stall_deadline(),
+            local.store.layout.steps_dir,
+            self.cfg.train.steps,
         )
 
     @property

@@ -12,7 +12,8 @@ finishes, for ``pretrain status`` and the metrics.
 Lifetime: started by the first rank of the node that finds none (:mod:`.client`), in its own
 session so that a rank's death or its process group's signal never reaches it. It finishes every
 request it accepted (a rank that dies mid-save loses nothing the agent holds), and exits once no
-rank has been connected and nothing was queued for ``idle_exit_s``. A second agent started for the
+rank has been connected and nothing was queued for ``idle_exit_s``, or at once when a rank said
+the run's final step is persisted (``finish``) and the last rank disconnected. A second agent started for the
 same address finds it bound and exits at once. A killed agent leaves at most a temporary step
 directory behind, never a published torn step; the next agent removes it.
 
@@ -86,6 +87,7 @@ class Agent:
         self.clients: set[socket.socket] = set()
         self.idle_since = time.monotonic()
         self.stopping = False
+        self.finishing = False
         self.status_path = Path(spec.status_dir) / "agents" / f"{socket.gethostname()}.json"
 
     # -- worker ----------------------------------------------------------------------------------
@@ -143,6 +145,9 @@ class Agent:
                 self.queued.append(job)
             self.jobs.put(job)
             return {"ok": True}
+        if op == "finish":  # the run's final step is persisted: exit once no rank is connected
+            self.finishing = True
+            return {"ok": True}
         if op == "status":
             rank = int(message["rank"])
             with self.lock:
@@ -195,7 +200,7 @@ class Agent:
         if busy:
             self.idle_since = time.monotonic()
             return False
-        return time.monotonic() - self.idle_since > self.spec.idle_exit_s
+        return self.finishing or time.monotonic() - self.idle_since > self.spec.idle_exit_s
 
 
 def main(argv: list[str] | None = None) -> int:
