@@ -27,9 +27,11 @@ import torch
 from pretrain.checkpointing.agent.client import AgentLink
 from pretrain.checkpointing.agent.drain import TORN, Persist, SlotDrain
 from pretrain.checkpointing.agent.server import AgentSpec
+from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.commands.status import format_status
 from pretrain.errors import AgentGone
-from tests.helpers import events, metrics_by_step, overrides_for, tmpfs, torchrun
+from pretrain.soak.storage import GatedMount
+from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, read_jsonl, tmpfs, torchrun
 from tiering.digest import HashSpec
 from tiering.manifest import Manifest
 from tiering.replication import primary_store
@@ -308,3 +310,83 @@ def test_tier1_through_the_agent_publishes_every_save_and_resumes_bit_exact_from
     for step in range(18, STEPS + 1):
         assert got[step]["loss"] == want[step]["loss"], f"loss differs at step {step}"
     assert torch.equal(torch.tensor([got[STEPS]["grad_norm"]]), torch.tensor([want[STEPS]["grad_norm"]]))
+
+
+@pytest.mark.slow
+def test_a_stalled_tier1_volume_under_a_plain_ft_launcher_run_holds_the_agent_never_training(
+    tmp_path: Path, corpus: Path, shm_dir: Path
+) -> None:
+    """The README's own-run form (``ft_launcher ... .venv/bin/pretrain train``, no standby process)
+    with tier 1 on a FUSE mount whose writes block in the kernel: the gate closes once step 5 is
+    in tier 1 and stays closed for 12 s. Training goes on through the stall at close to its rate
+    (the agent's worker is the one held), the stall is reported, no restart happens, tier 1 comes
+    back once the volume answers, and the run is bit-equal to an uninterrupted one."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
+    settings = {
+        "train.steps": 160,
+        "schedule.decay_steps": 160,
+        "checkpoint.local.interval": 5,
+        "checkpoint.reshardable.interval": 80,
+        "checkpoint.local.stall_timeout_s": 3.0,
+        "checkpoint.memory.enabled": "true",
+        "checkpoint.memory.dir": str(shm_dir),
+        "checkpoint.memory.slots": 3,
+        "checkpoint.agent.enabled": "true",
+        "checkpoint.agent.idle_exit_s": 2,
+    }
+    base = tmp_path / "base"
+    torchrun(base, 2, overrides_for(base, corpus, **{k: v for k, v in settings.items() if "memory" not in k and "agent" not in k}))
+    job, run = tmp_path / "stall", tmp_path / "stall" / "runs" / RUN
+    mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        ov = overrides_for(job, corpus, **settings, **{"checkpoint.local.dir": str(mount.mountpoint)})
+        cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=3, overrides=ov, standby=False)
+        at = cmd.index("-m")
+        cmd[at : at + 2] = [str(Path(sys.executable).with_name("pretrain"))]  # the console script
+        env = job_env(job, shared_standby=False)
+        with (job / "job.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT)
+            wait_for(lambda: _saved(run, 5), timeout=120)
+            mount.close()
+            closed = (time.time(), _trained_to(run))
+            time.sleep(12)
+            opened = (time.time(), _trained_to(run))
+            mount.open()
+            assert proc.wait(timeout=180) == 0, (job / "job.log").read_text()[-4000:]
+        wait_for(lambda: not _agents_of(shm_dir), timeout=30)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        mount.stop()
+        _stop_agent(set(_agents_of(shm_dir)))
+    rows = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind", "train") == "train"]
+    # The fault-free rate: after the stall, with tier 1 saving again (the steps before it are the
+    # first few, slowed by start-up).
+    after = [r for r in rows if r["time"] >= opened[0]]
+    rate = (after[-1]["step"] - after[0]["step"]) / (after[-1]["time"] - after[0]["time"])
+    rate_during = (opened[1] - closed[1]) / (opened[0] - closed[0])
+    print(f"steps/s during the stall {rate_during:.1f}, after it {rate:.1f} ({rate_during / rate:.0%})")
+    assert rate_during >= 0.5 * rate, f"training slowed to {rate_during:.1f} from {rate:.1f} steps/s"
+    ev = events(run)
+    assert len({e["attempt"] for e in ev if e["event"] == "start"}) == 1, "no restart"
+    stalls = [e for e in ev if e["event"] == "save_failed" and e.get("reason") == "stalled"]
+    assert stalls and "checkpoint agent has been persisting" in stalls[0]["error"], stalls
+    later = [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local" and e["step"] > opened[1]]
+    assert later and later[-1] == 160, f"tier 1 came back once the storage answered: {later}"
+    b, r = metrics_by_step(base / "runs" / RUN), metrics_by_step(run)
+    assert all(r[s]["loss"] == b[s]["loss"] for s in range(1, 161)), "losses differ from the uninterrupted run"
+
+
+def _saved(run: Path, step: int) -> bool:
+    path = run / "events.jsonl"
+    return path.exists() and any(
+        e["event"] == "save" and e.get("tier") == "local" and e.get("step") == step for e in read_jsonl(path)
+    )
+
+
+def _trained_to(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return max((r.get("step", 0) for r in read_jsonl(path)), default=0) if path.exists() else 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pretrain.checkpointing.state import SaveResult, TrainingState
+from pretrain.checkpointing.tier_health import STALLED
 from pretrain.errors import AgentGone
 from tiering.collective import Collective
 from tiering.errors import PublishError
@@ -139,8 +140,10 @@ class AgentTier:
         its part; PublishError on every rank if any rank's could not (older steps are intact)."""
         if self._pending is None:
             return None
-        if block:
-            return self._wait(None if not stop_when_idle else time.monotonic() + self.stall_deadline_s)
+        if block and not stop_when_idle:
+            return self._wait(None)
+        # Not blocking, or a wait the manager may cut short (a save due while this one is in
+        # flight): never wait on the agent's storage; the manager skips the save that found it busy.
         return self._exchange(self._status())
 
     def abandon_async(self) -> None:
@@ -177,10 +180,22 @@ class AgentTier:
         if job.step in persisted.get("persisted", []) and not busy:
             self.memory.pin(frozenset())
             return "ok"
+        failed = failed or self._stalled(answer)
         if failed is not None:
             self.memory.pin(frozenset())
             return failed
         return RUNNING
+
+    def _stalled(self, answer: dict) -> str | None:
+        """Why the agent counts as stalled: its request in progress ran past the stall deadline
+        (its storage holds it; the agent keeps it and publishes it if the storage answers)."""
+        current, since = answer.get("current"), answer.get("current_since")
+        if not current or since is None or answer["updated"] - since <= self.stall_deadline_s:
+            return None
+        return (
+            f"{STALLED}: the checkpoint agent has been persisting rank {current['rank']}'s step {current['step']} "
+            f"for {answer['updated'] - since:.1f}s (deadline {self.stall_deadline_s:.1f}s)"
+        )
 
     def _ask_agent(self, job: _Pending, block: bool) -> str:
         """Tier 0 sealed the step: ask the agent to persist its slot. Raises AgentGone."""
@@ -191,6 +206,9 @@ class AgentTier:
             if self.memory.sealing(job.step):
                 return RUNNING
             return f"tier 0 holds no sealed slot of step {job.step} (tier 1 persists tier 0's snapshots)"
+        stalled = self._stalled(self.link.request({"op": "status", "rank": self.rank, "floor": self.floor}))
+        if stalled is not None:  # queue nothing behind a request the storage holds
+            return stalled
         self.link.request({"op": "persist", "rank": self.rank, "slot": slot, "step": job.step, "floor": self.floor})
         job.slot = slot
         self.memory.pin(frozenset({slot}))

@@ -109,6 +109,13 @@ class Agent:
                 log.info("agent: removed the unfinished copy of an earlier agent: %s", path)
         return self.drain.persist(job)
 
+    def report(self, every_s: float = 2.0) -> None:
+        """Keep the status file fresh while the worker is held (a stall shows as it lasts); on its
+        own thread, so that a stalled run directory holds neither the worker nor the socket loop."""
+        while not self.stopping:
+            self._write_status()
+            time.sleep(every_s)
+
     def _write_status(self) -> None:
         try:
             self.status_path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "stopping", True))
     worker = threading.Thread(target=agent.work, name="agent-drain", daemon=True)
     worker.start()
+    threading.Thread(target=agent.report, name="agent-status", daemon=True).start()
     log.info("agent: serving run %s (slots %s, tier 1 %s)", spec.run_id, spec.memory_root, spec.local_root)
     agent._write_status()
     agent.serve()
+    agent.stopping = True
     listener.close()
     worker.join()  # every accepted request is finished before the agent exits
     agent._write_status()
