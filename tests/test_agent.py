@@ -336,7 +336,8 @@ def test_a_stalled_tier1_volume_under_a_plain_ft_launcher_run_holds_the_agent_ne
         "checkpoint.agent.idle_exit_s": 2,
     }
     base = tmp_path / "base"
-    torchrun(base, 2, overrides_for(base, corpus, **{k: v for k, v in settings.items() if "memory" not in k and "agent" not in k}))
+    plain = {k: v for k, v in settings.items() if "memory" not in k and "agent" not in k}
+    torchrun(base, 2, overrides_for(base, corpus, **plain))
     job, run = tmp_path / "stall", tmp_path / "stall" / "runs" / RUN
     mount = GatedMount(tmp_path / "backing", tmp_path / "mnt", tmp_path / "gate", tmp_path / "fuse.log")
     proc: subprocess.Popen[bytes] | None = None
