@@ -204,7 +204,11 @@ def test_an_agent_killed_mid_copy_publishes_nothing_torn_and_a_new_agent_persist
     assert [p for p in steps_dir.iterdir() if ".tmp-" not in p.name] == []  # nothing published
 
     seal(shm_dir, 0, 1, 20, os.urandom(64 * 1024))
-    link.request({"op": "persist", "rank": 0, "slot": 1, "step": 20})  # starts a new agent
+    try:
+        link.request({"op": "persist", "rank": 0, "slot": 1, "step": 20})  # starts a new agent
+    except AgentGone:
+        print((shm_dir / f"agent-{RUN}.log").read_text())  # what the agents said
+        raise
     new_pid = link.request({"op": "status", "rank": 0})["pid"]
     try:
         assert new_pid != pid

@@ -25,6 +25,7 @@ from pretrain.checkpointing.agent.server import AgentSpec
 from pretrain.errors import AgentGone
 from pretrain.resilience.standby.wire import receive, require_same_user, send
 
+RETRIES = 3  # a reset connection is retried this often, a little later each time
 START_WAIT_S = 10.0  # an agent imports tiering only: it listens within a fraction of a second
 
 
@@ -39,17 +40,19 @@ class AgentLink:
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """One request and its answer; AgentGone when no agent answers in time (one is started
         first when none listens and ``start``)."""
-        try:
-            answer = self._exchange(message)
-        except (ConnectionError, BrokenPipeError):
-            # An agent that died since the last request: ask again on a fresh connection (a new
-            # agent is started if none listens). Requests are idempotent.
+        for retry in range(RETRIES + 1):
             try:
                 answer = self._exchange(message)
+                break
+            except (ConnectionError, BrokenPipeError) as exc:
+                # An agent that died since the last request (its socket may take a moment to go):
+                # ask again on a fresh connection, a new agent started if none listens. Every
+                # request is idempotent.
+                if retry == RETRIES:
+                    raise self._gone(exc) from exc
+                time.sleep(0.1 * (retry + 1))
             except (TimeoutError, OSError, ValueError) as exc:
                 raise self._gone(exc) from exc
-        except (TimeoutError, OSError, ValueError) as exc:
-            raise self._gone(exc) from exc
         if answer is None:
             self.close()
             raise AgentGone(f"checkpoint agent {self.spec.name}: closed the connection")
