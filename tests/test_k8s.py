@@ -13,6 +13,7 @@ read-only root and dropped privileges on every container; the IAM policy."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import functools
 import hashlib
 import json
@@ -998,3 +999,78 @@ def test_the_runs_nvme_directory_is_private_and_a_planted_one_is_refused(entry: 
     launched = len(entry.launches())
     code, out = entry.run()
     assert code == 3 and "is a symlink" in out and "fix:" in out and len(entry.launches()) == launched
+
+
+AWS = K8S / "aws"
+AWS_VALUES = {
+    "ACCOUNT_ID": "123456789012",
+    "REGION": "us-east-1",
+    "BUCKET": "my-training-bucket",
+    "PREFIX": "checkpoints",
+    "RUN_ID": "gpt-8b-run-001",
+    "NAMESPACE": "pretrain",
+    "KMS_KEY_ID": "1234abcd-12ab-34cd-56ef-1234567890ab",
+    "OIDC_PROVIDER": "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE",
+}
+
+
+def fill_aws(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["/bin/sh", str(AWS / "fill.sh"), str(out)],
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_one_command_fills_every_aws_policy_for_the_run(tmp_path: Path) -> None:
+    """Trust policies name the overlay's ServiceAccounts in its namespace; the bucket lets only the
+    Gc role delete and no run role destroy a version, keeps noncurrent versions 30 days
+    (docs/runbook.md), and takes only the run's KMS key."""
+    done = fill_aws(tmp_path, **AWS_VALUES)
+    assert done.returncode == 0, done.stderr
+    filled = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(filled) == {p.name for p in AWS.glob("*.json")} | {"iam-policy.json"}
+    text = "\n".join(p.read_text() for p in tmp_path.glob("*.json"))
+    for name in AWS_VALUES:
+        assert name not in text, name
+    docs = build("overlays/h100")
+    roles = {
+        sa["metadata"]["name"]: sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].replace(
+            "ACCOUNT_ID", AWS_VALUES["ACCOUNT_ID"]
+        )
+        for sa in by_kind(docs, "ServiceAccount")
+    }
+    namespace = by_kind(docs, "Namespace")[0]["metadata"]["name"]
+    for role, account in (("reader", "pretrain-trainer"), ("writer", "pretrain-uploader"), ("gc", "pretrain-gc")):
+        (st,) = filled[f"trust-{role}.json"]["Statement"]
+        cond = st["Condition"]["StringEquals"]
+        assert cond[f"{AWS_VALUES['OIDC_PROVIDER']}:sub"] == f"system:serviceaccount:{namespace}:{account}"
+        assert cond[f"{AWS_VALUES['OIDC_PROVIDER']}:aud"] == "sts.amazonaws.com"
+        assert roles[account].endswith(f"-{role}")
+    bucket = {st["Sid"]: st for st in filled["bucket-policy.json"]["Statement"]}
+    assert {st["Effect"] for st in bucket.values()} == {"Deny"}, "grants live in the roles' policies"
+    assert bucket["OnlyGcDeletesSteps"]["Condition"] == {"ArnNotEquals": {"aws:PrincipalArn": roles["pretrain-gc"]}}
+    never = bucket["NoRunRoleDestroysAVersion"]
+    assert "s3:DeleteObjectVersion" in never["Action"] and "s3:PutBucketVersioning" in never["Action"]
+    run_roles = never["Condition"]["ArnLike"]["aws:PrincipalArn"]
+    assert all(fnmatch.fnmatch(arn, run_roles) for arn in roles.values())
+    key = f"arn:aws:kms:us-east-1:{AWS_VALUES['ACCOUNT_ID']}:key/{AWS_VALUES['KMS_KEY_ID']}"
+    (rule,) = filled["encryption.json"]["Rules"]
+    assert rule["ApplyServerSideEncryptionByDefault"] == {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": key}
+    assert bucket["RunKeyOnly"]["Condition"]["StringNotEqualsIfExists"].popitem()[1] == key
+    assert filled["versioning.json"] == {"Status": "Enabled"}
+    (life,) = filled["lifecycle.json"]["Rules"]
+    assert life["NoncurrentVersionExpiration"]["NoncurrentDays"] == 30
+    assert "30 days" in (REPO / "docs" / "runbook.md").read_text()
+    writer = {a for st in filled["kms-policy.json"]["Writer"]["Statement"] for a in st["Action"]}
+    assert writer == {"kms:GenerateDataKey", "kms:Decrypt"}
+
+
+def test_the_aws_fill_refuses_a_missing_value_in_one_line(tmp_path: Path) -> None:
+    values = {k: v for k, v in AWS_VALUES.items() if k != "KMS_KEY_ID"}
+    done = fill_aws(tmp_path / "out", **values)
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    (line,) = done.stderr.splitlines()
+    assert "KMS_KEY_ID is not set" in line and "fix:" in line
