@@ -260,6 +260,8 @@ def test_jobset_restarts_the_whole_group_and_stops_only_on_run_level_stops() -> 
     assert env["NNODES"] == str(js["spec"]["replicatedJobs"][0]["replicas"]) == "4"
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
     assert env["RDZV_HOST"] == f"pretrain-trainer-0-0.{js['spec']['network']['subdomain']}"
+    restart = {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"}}
+    assert env["RESTART_COUNT"] == restart, "attempt records carry the JobSet's restart attempt"
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
@@ -1074,3 +1076,16 @@ def test_the_aws_fill_refuses_a_missing_value_in_one_line(tmp_path: Path) -> Non
     assert done.returncode == 2 and not (tmp_path / "out").exists()
     (line,) = done.stderr.splitlines()
     assert "KMS_KEY_ID is not set" in line and "fix:" in line
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_read_only_trainer_writes_its_caches_and_temporary_files_to_an_emptydir(overlay: str) -> None:
+    """ft_launcher's --help cache (XDG_CACHE_HOME), NVRx's sockets (TMPDIR), compiler caches (HOME)."""
+    for pod in trainer_pods(build(overlay)):
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        trainer = next(c for c in pod.spec["containers"] if c["name"] == "trainer")
+        mounts = {m["mountPath"]: m["name"] for m in trainer["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts["/tmp"]] and volumes[mounts["/tmp"]]["emptyDir"].get("medium") != "Memory"
+        env = env_of(trainer)
+        for name in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
+            assert env[name] == "/tmp" or env[name].startswith("/tmp/"), (pod.owner, name)
