@@ -11,7 +11,8 @@ input fails at start with one line naming what is wrong and how to fix it.
   ``fieldRef: metadata.name`` gives a name, not an integer; ``NNODES`` (the replica count) and
   ``RDZV_HOST`` (e.g. ``pretrain-0.pretrain``, the headless Service DNS name of pod 0).
 * Both: ``RDZV_STORE_TIMEOUT`` (seconds the other nodes wait for node 0's rendezvous store, default
-  1800: above node 0's restore), ``LOCAL_NVME`` (node-local checkpoint root, must exist and be
+  1800: above node 0's restore; passed as NVRx 0.7's ``store_connect_wait_seconds`` and 0.4's
+  ``read_timeout``), ``LOCAL_NVME`` (node-local checkpoint root, must exist and be
   writable), ``FAILURE_DOMAIN``
   (rack/zone/switch) or ``TOPOLOGY_FILE`` (``node domain`` lines, e.g. each node's leaf switch;
   on Kubernetes written by ``pretrain node-domain`` from the node's labels; default: the node is
@@ -221,20 +222,25 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
 
 
 def rendezvous_conf(plan: LaunchPlan) -> str:
-    """The c10d rendezvous settings ``--rdzv-conf`` passes (NVRx's fault_tolerance/launcher.py and
-    its c10d_rendezvous_backend.py read them):
+    """The c10d rendezvous settings ``--rdzv-conf`` passes (both NVRx versions hand every key to
+    ``RendezvousParameters(**rdzv_configs)``, which keeps unknown keys in ``config``):
 
     * ``is_host``: node 0 serves the TCP store, said outright. Left to itself the launcher guesses by
       comparing the endpoint's name with its own, and if a guessed host cannot bind it quietly
       becomes a client of a store nobody serves.
-    * ``read_timeout``: how long the other nodes' launchers wait to reach that store (NVRx default
-      600 s). Node 0's launcher starts only after its restore (a Kubernetes init container
-      downloading the newest step from S3), so this must exceed the restore: ``RDZV_STORE_TIMEOUT``.
+    * ``store_connect_wait_seconds`` (NVRx >= 0.6, what the image runs): how long the other nodes
+      probe node 0's store before giving up; unset, 0.7's launcher makes it 120 s
+      (``fault_tolerance/launcher.py`` ~1366) and its patched store creation raises after it
+      (``c10d_monkey_patch.py`` ~156), whatever ``read_timeout`` says. 0.4.1 ignores the key.
+    * ``read_timeout``: the same wait on NVRx 0.4.1 (its default 600 s), the TCPStore's timeout.
+      Node 0's launcher starts only after its restore (a Kubernetes init container downloading the
+      newest step from S3, a container pull), so both must exceed it: ``RDZV_STORE_TIMEOUT``.
     * ``join_timeout``: the whole rendezvous round, at least as long (NVRx default 900 s).
     """
     is_host = 1 if plan.node_rank == 0 else 0
-    join = max(plan.store_timeout_s, 900)
-    return f"is_host={is_host},read_timeout={plan.store_timeout_s},join_timeout={join}"
+    wait = plan.store_timeout_s
+    join = max(wait, 900)
+    return f"is_host={is_host},store_connect_wait_seconds={wait},read_timeout={wait},join_timeout={join}"
 
 
 def ft_launcher_argv(
