@@ -5,8 +5,9 @@ and run id from the environment, checks that the installed ``ft_launcher`` accep
 is about to pass, and ``exec``s it (``--dry-run`` prints the exact command instead). Every bad
 input fails at start with one line naming what is wrong and how to fix it.
 
-* Slurm: ``SLURM_JOB_ID``, ``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` (first node is
-  the rendezvous host), ``SLURMD_NODENAME``.
+* Slurm: ``SLURM_JOB_ID``, ``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` (its first node
+  is the rendezvous host unless ``RDZV_HOST`` says otherwise: the sbatch exports the first of
+  ``scontrol show hostnames``), ``SLURMD_NODENAME``.
 * Kubernetes (StatefulSet): the pod ordinal is parsed from ``HOSTNAME`` (``pretrain-3`` -> 3), since
   ``fieldRef: metadata.name`` gives a name, not an integer; ``NNODES`` (the replica count) and
   ``RDZV_HOST`` (e.g. ``pretrain-0.pretrain``, the headless Service DNS name of pod 0).
@@ -72,22 +73,55 @@ class LaunchPlan:
     store_timeout_s: int = 1800
 
 
+def _split_top_level(text: str) -> list[str]:
+    """``a[1-2],b[3,5]x`` -> ``["a[1-2]", "b[3,5]x"]``: commas outside brackets separate hosts."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError("nested or unbalanced brackets")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("unclosed bracket")
+    return [*parts, text[start:]]
+
+
+def _expand_ranges(ranges: str) -> list[str]:
+    """``001-003,010`` -> ``["001", "002", "003", "010"]`` (zero padding kept)."""
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"bad range {part!r}")
+        out += [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def _expand_host(expr: str) -> list[str]:
+    """One host expression with any number of bracket groups: ``rack[1-2]-node[01-02]`` -> 4 hosts."""
+    names = [""]
+    for literal, ranges in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", expr):
+        names = [n + literal for n in names]
+        if ranges:
+            names = [n + r for n in names for r in _expand_ranges(ranges)]
+    if not expr or any(not n for n in names):
+        raise ValueError("empty host name")
+    return names
+
+
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """``gpu[003-005,007],cpu01`` -> ``[gpu003, gpu004, gpu005, gpu007, cpu01]`` (zero padding kept)."""
-    hosts: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
-        prefix, ranges = m.group(1), m.group(2)
-        if not ranges:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r}: bad range {part!r}; fix: run under sbatch/srun")
-            width = len(lo)
-            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    if not hosts:
-        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm nodelist; fix: run under sbatch/srun")
+    """A Slurm hostlist as ``scontrol show hostnames`` expands it: ``gpu[003-005,007],cpu01`` ->
+    ``[gpu003, gpu004, gpu005, gpu007, cpu01]``, several bracket groups and suffixes included
+    (``rack[1-2]-node[01-02]``, ``a[1-3]b``); anything it cannot read whole is a LaunchError."""
+    try:
+        hosts = [h for expr in _split_top_level(nodelist.strip()) for h in _expand_host(expr)]
+    except ValueError as exc:
+        raise LaunchError(
+            f"SLURM_JOB_NODELIST={nodelist!r}: {exc}; fix: run under sbatch/srun, or export "
+            'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) as slurm/pretrain.sbatch does'
+        ) from exc
     return hosts
 
 
@@ -161,7 +195,9 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         nnodes = _int(env, "SLURM_NNODES", "run under sbatch with --nodes")
         node_rank = _int(env, "SLURM_NODEID", "start one launcher per node with srun --ntasks-per-node=1")
         job_nodes = expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
-        host = job_nodes[0]
+        # The sbatch exports RDZV_HOST from `scontrol show hostnames` (Slurm's own expansion, and
+        # a site may set it to the node's address where NodeName does not resolve).
+        host = env.get("RDZV_HOST") or job_nodes[0]
         node = env.get("SLURMD_NODENAME") or env.get("HOSTNAME", "")
         restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     else:
