@@ -159,8 +159,11 @@ def _soak(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from pretrain.commands.launch import excluded_nodes, launch
-    from pretrain.errors import JobStopped, LaunchError, NodeExcluded
+    from pretrain.errors import STOP_EXIT_CODE, JobStopped, LaunchError, NodeExcluded, NodeLaunchError
 
+    # Exit codes (docs/runbook.md "Exit codes of pretrain launch"): STOP_EXIT_CODE (2) for what
+    # fails the same on every node (a stopped run, a config or deployment error): never restart;
+    # NodeLaunchError.EXIT_CODE (3) for what is wrong with this node only: restart elsewhere.
     try:
         if args.excluded_nodes:
             print(excluded_nodes(args.config, args.set or []))
@@ -169,9 +172,12 @@ def _launch(args: argparse.Namespace) -> int:
     except NodeExcluded as exc:
         print(f"launch refused: {exc}", file=sys.stderr)
         return NodeExcluded.EXIT_CODE
+    except NodeLaunchError as exc:
+        print(f"launch error on this node: {exc}", file=sys.stderr)
+        return NodeLaunchError.EXIT_CODE
     except LaunchError as exc:
         print(f"launch error: {exc}", file=sys.stderr)
-        return 2
+        return STOP_EXIT_CODE
     except JobStopped as exc:
         print(f"launch refused: {exc.message}", file=sys.stderr)
         return int(exc.code)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.commands.launch import check_flags, expand_slurm_nodelist, first_slurm_host
-from pretrain.errors import LaunchError
+from pretrain.errors import EXCLUDED_EXIT_CODE, STOP_EXIT_CODE, LaunchError
 from pretrain.resilience.attempts import scaled_from
 from tests.helpers import PYTHON, TINY
 
@@ -84,7 +84,6 @@ def test_slurm_environment(tmp_path: Path) -> None:
         ({"HOSTNAME": "pretrain-5", "NNODES": "4"}, "node rank 5 is not below the number of nodes 4"),
         ({"HOSTNAME": "pretrain-0"}, "NNODES is not set"),
         ({"HOSTNAME": "pretrain-0", "NNODES": "two"}, "NNODES='two' is not an integer"),
-        ({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": "/nonexistent/nvme"}, "does not exist"),
         ({"HOSTNAME": "pretrain-0", "NNODES": "1"}, "LOCAL_NVME is not set"),
         ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2"}, "SLURM_NODEID is not set"),
     ],
@@ -94,6 +93,25 @@ def test_bad_launch_environments_fail_in_one_line(env: dict[str, str], needle: s
     assert out.returncode == 2
     lines = [x for x in out.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], out.stderr
+
+
+def test_a_node_local_launch_error_exits_3_so_the_job_restarts_elsewhere(tmp_path: Path) -> None:
+    """Exit 2 stops the run (JobSet FailJobSet, the sbatch ends the job); what is wrong with this
+    node only (its NVMe, its topology file) exits 3: restart elsewhere."""
+    missing = tmp_path / "nvme-not-assembled"
+    out = _launch({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": str(missing)})
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.returncode == EXCLUDED_EXIT_CODE == 3 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("launch error on this node: ") and "does not exist" in lines[0] and "fix:" in lines[0]
+    gone = tmp_path / "no-topology"
+    out = _launch(_slurm_env(tmp_path, TOPOLOGY_FILE=str(gone)))
+    assert out.returncode == 3 and f"TOPOLOGY_FILE={gone}: cannot read it" in out.stderr, out.stderr
+    # Run-level problems keep the stop code, whatever the node.
+    assert _launch({"HOSTNAME": "pretrain-0"}).returncode == STOP_EXIT_CODE == 2
+    assert (
+        _launch({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": str(tmp_path)}, "--set", "x.y=1").returncode
+        == 2
+    )
 
 
 def test_unsupported_flag_fails_fast(tmp_path: Path) -> None:

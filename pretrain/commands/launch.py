@@ -23,6 +23,12 @@ input fails at start with one line naming what is wrong and how to fix it.
 * A node count whose world size the parallel layout or the global batch cannot divide (a
   scale-down to 5 of 6 nodes, say) is refused with the node counts that would work; so is
   ``fault_tolerance.straggler.action: restart_without`` when one node fewer would not fit.
+* Exit codes: 2 (``STOP_EXIT_CODE``) for what fails alike on every node: a stopped run, a config
+  or deployment error (``NNODES`` unset, a node count the layout cannot divide); 3
+  (``NodeLaunchError``) for what is wrong with this node only: ``LOCAL_NVME`` missing or not
+  writable, an unreadable ``TOPOLOGY_FILE``, no runnable ``ft_launcher``, an excluded node. The
+  JobSet fails the run on 2 and restarts elsewhere on 3; the sbatch ends the job on 2 and requeues
+  without the node on 3.
 * A node the run's excluded-nodes file names (a persistent straggler,
   :mod:`pretrain.resilience.excluded_nodes`) is refused in one line (exit code 3, not the stop
   code: the job is to run elsewhere); on Kubernetes the node is tainted and the pod deleted first
@@ -52,7 +58,7 @@ from pathlib import Path
 from pretrain.commands.node_domain import ApiServer
 from pretrain.commands.node_taint import keep_off
 from pretrain.config import check_room_to_exclude, check_world_size, load_config
-from pretrain.errors import ConfigError, LaunchError, NodeExcluded
+from pretrain.errors import ConfigError, LaunchError, NodeExcluded, NodeLaunchError
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.excluded_nodes import read_excluded, refusal
 from pretrain.resilience.job_policy import refuse_if_stopped
@@ -135,7 +141,7 @@ def read_topology(path: str) -> dict[str, str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise LaunchError(
+        raise NodeLaunchError(
             f"TOPOLOGY_FILE={path}: cannot read it ({exc.strerror}); fix: point it at a readable file"
         ) from exc
     out = {}
@@ -235,13 +241,13 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
     if not nvme:
         raise LaunchError("LOCAL_NVME is not set; fix: point it at the node-local NVMe mount for tier-1 checkpoints")
     path = Path(nvme)
-    if not path.is_dir():
-        raise LaunchError(
+    if not path.is_dir():  # this node's disk (not assembled, not created by its user data): run elsewhere
+        raise NodeLaunchError(
             f"LOCAL_NVME={nvme} does not exist; fix: mount the node-local NVMe there (hostPath/local PV "
             "or emptyDir on Kubernetes, the node's scratch on Slurm)"
         )
     if not os.access(path, os.W_OK):
-        raise LaunchError(f"LOCAL_NVME={nvme} is not writable by uid {os.getuid()}; fix: chown it or set fsGroup")
+        raise NodeLaunchError(f"LOCAL_NVME={nvme} is not writable by uid {os.getuid()}; fix: chown it or set fsGroup")
     rdzv_port = int(env.get("RDZV_PORT", port))
     return LaunchPlan(
         platform,
@@ -345,7 +351,7 @@ def launcher_help(launcher: str) -> str:
     try:
         text = subprocess.run([launcher, "--help"], capture_output=True, text=True, timeout=120).stdout
     except OSError as exc:
-        raise LaunchError(f"{launcher}: cannot run ({exc.strerror}); fix: install nvidia-resiliency-ext") from exc
+        raise NodeLaunchError(f"{launcher}: cannot run ({exc.strerror}); fix: install nvidia-resiliency-ext") from exc
     if cache is not None and "--nnodes" in text:
         with contextlib.suppress(OSError):  # a read-only home only costs the next launch the 5 s
             cache.parent.mkdir(parents=True, exist_ok=True)
