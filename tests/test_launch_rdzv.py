@@ -8,9 +8,11 @@ cannot be installed on this Python; its expectation is written down from its sou
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.rendezvous import RendezvousParameters
 from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.rendezvous.c10d_rendezvous_backend import (
     create_backend,
@@ -18,7 +20,14 @@ from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.rendezvous.c10d
 from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.rendezvous.utils import _parse_rendezvous_config
 from nvidia_resiliency_ext.fault_tolerance.launcher import config_from_args, get_args_parser
 
-from pretrain.commands.launch import LaunchPlan, ft_launcher_argv
+from pretrain.commands.launch import (
+    LaunchPlan,
+    ft_launcher_argv,
+    launch,
+    plan_from_env,
+    refuse_pickling_rendezvous,
+)
+from pretrain.errors import LaunchError
 from tests.helpers import FT_CPU, TINY, free_port
 
 WAIT_S = 3600
@@ -77,3 +86,31 @@ def test_nvrx_07_reads_store_connect_wait_seconds_from_the_rdzv_conf() -> None:
 def test_the_runbook_names_both_keys() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "runbook.md").read_text()
     assert "store_connect_wait_seconds=...,read_timeout=..." in text
+
+
+def _k8s_env(nvme: Path, nnodes: int, **extra: str) -> dict[str, str]:
+    host = {"HOSTNAME": "pretrain-1", "NNODES": str(nnodes), "RDZV_HOST": "pretrain-0.p", "LOCAL_NVME": str(nvme)}
+    return {**host, **extra}
+
+
+def test_a_multi_node_launch_on_a_pickling_nvrx_is_refused_unless_the_network_is_private(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Security F1: NVRx 0.4.1 (installed) pickle.loads the rendezvous state from node 0's store.
+    The refusal comes before exec; a dry run prints it and goes on (the sbatch's stop check)."""
+    sets = [f"run.dir={tmp_path / 'runs'}", "data.global_batch_size=192"]
+    launcher = str(Path(sys.executable).with_name("ft_launcher"))
+    with pytest.raises(LaunchError) as err:
+        launch(str(TINY), 1, 1, str(FT_CPU), False, sets, env=_k8s_env(tmp_path, 2), launcher=launcher)
+    line = str(err.value)
+    assert "nvidia-resiliency-ext 0.4.1 unpickles the rendezvous state" in line and "\n" not in line
+    assert "fix: install nvidia-resiliency-ext>=0.7" in line and "RDZV_PRIVATE_NETWORK=1" in line
+    assert launch(str(TINY), 1, 1, str(FT_CPU), True, sets, env=_k8s_env(tmp_path, 2), launcher=launcher) == 0
+    assert f"# a launch would be refused: {line}" in capsys.readouterr().out
+
+    env = _k8s_env(tmp_path, 2)
+    plan = plan_from_env(env)
+    assert refuse_pickling_rendezvous(plan, {**env, "RDZV_PRIVATE_NETWORK": "1"}) is None
+    assert refuse_pickling_rendezvous(plan, env, version="0.7.0") is None
+    one = _k8s_env(tmp_path, 1, HOSTNAME="pretrain-0")
+    assert refuse_pickling_rendezvous(plan_from_env(one), one) is None, "one node keeps working on 0.4.1"

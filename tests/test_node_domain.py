@@ -185,6 +185,7 @@ def test_a_node_other_than_0_waits_rdzv_store_timeout_for_node_0s_store(tmp_path
         "NODE_NAME": NODE,
         "LOCAL_NVME": str(tmp_path),
         "TMPDIR": str(tmp_path),
+        "RDZV_PRIVATE_NETWORK": "1",  # loopback: NVRx 0.4.1's pickled rendezvous allowed
     }
     argv = ["launch", "--config", str(TINY), "--nproc-per-node", "1", "--ft-config", str(FT_CPU)]
     out = pretrain(*argv, "--set", f"run.dir={tmp_path / 'runs'}", env=env)

@@ -29,6 +29,10 @@ input fails at start with one line naming what is wrong and how to fix it.
   writable, an unreadable ``TOPOLOGY_FILE``, no runnable ``ft_launcher``, an excluded node. The
   JobSet fails the run on 2 and restarts elsewhere on 3; the sbatch ends the job on 2 and requeues
   without the node on 3.
+* NVRx before 0.7 unpickles the rendezvous state from node 0's store: a multi-node launch with it is
+  refused in one line unless ``RDZV_PRIVATE_NETWORK=1`` says the job's network is private
+  (:func:`refuse_pickling_rendezvous`; the floor stays 0.4.1 in pyproject.toml: no 0.7 is installable
+  on the CPU test machines).
 * A node the run's excluded-nodes file names (a persistent straggler,
   :mod:`pretrain.resilience.excluded_nodes`) is refused in one line (exit code 3, not the stop
   code: the job is to run elsewhere); on Kubernetes the node is tainted and the pod deleted first
@@ -54,6 +58,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 from pretrain.commands.node_domain import ApiServer
 from pretrain.commands.node_taint import keep_off
@@ -375,6 +381,34 @@ def check_flags(launcher: str, argv: list[str]) -> None:
             )
 
 
+PRIVATE_NETWORK_ENV = "RDZV_PRIVATE_NETWORK"
+SAFE_RENDEZVOUS_NVRX = Version("0.7")  # its barrier rendezvous keeps the store's state as JSON
+
+
+def refuse_pickling_rendezvous(plan: LaunchPlan, env: Mapping[str, str], version: str | None = None) -> str | None:
+    """NVRx before 0.7 serves ``--rdzv-backend=c10d`` with ``fault_tolerance/_ft_rendezvous.py``,
+    which ``pickle.loads`` the state it reads from node 0's TCP store: anyone who can reach that
+    port runs code in every launcher. On a multi-node job such an NVRx is refused (LaunchError, the
+    same on every node) unless ``RDZV_PRIVATE_NETWORK=1`` says only the job's nodes can reach it
+    (a Kubernetes NetworkPolicy, a Slurm job network or firewall rule: docs/clusters.md). One node
+    (the store on its own host) and NVRx >= 0.7 pass. Returns the refusal for a dry run to print."""
+    if plan.nnodes <= 1 or env.get(PRIVATE_NETWORK_ENV) == "1":
+        return None
+    try:
+        installed = version or importlib.metadata.version("nvidia-resiliency-ext")
+        if Version(installed) >= SAFE_RENDEZVOUS_NVRX:
+            return None
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        installed = version or "(not installed)"
+    return (
+        f"nvidia-resiliency-ext {installed} unpickles the rendezvous state it reads from node 0's store "
+        f"({plan.rdzv_endpoint}), so anyone who can reach that port runs code in every launcher of this "
+        f"{plan.nnodes}-node job; fix: install nvidia-resiliency-ext>=0.7 (the image's), or keep the job on a "
+        f"network only its nodes reach (NetworkPolicy; Slurm: docs/clusters.md#job-network) and set "
+        f"{PRIVATE_NETWORK_ENV}=1"
+    )
+
+
 def refuse_if_excluded(plan: LaunchPlan, rdir: Path, env: Mapping[str, str], act: bool, api: ApiServer | None) -> None:
     """NodeExcluded when the run's excluded-nodes file names this node; on Kubernetes (``act``:
     not a dry run) the node is tainted and this pod deleted first, so it is placed elsewhere."""
@@ -422,8 +456,13 @@ def launch(
     launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets, stop_timeout)
     check_flags(launcher, argv)
+    unsafe = refuse_pickling_rendezvous(plan, env)
+    if unsafe and not dry_run:
+        raise LaunchError(unsafe)
     child_env = {**env, "NODE_NAME": plan.node_name, "FAILURE_DOMAIN": plan.failure_domain}
     if dry_run:
+        if unsafe:
+            print(f"# a launch would be refused: {unsafe}")
         print(
             f"# {plan.platform}: node {plan.node_rank}/{plan.nnodes}, rendezvous {plan.rdzv_endpoint}, "
             f"node {plan.node_name}, domain {plan.failure_domain}, restarts so far {plan.restart_count}"
