@@ -159,8 +159,11 @@ def _soak(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from pretrain.commands.launch import excluded_nodes, launch
-    from pretrain.errors import JobStopped, LaunchError, NodeExcluded
+    from pretrain.errors import STOP_EXIT_CODE, JobStopped, LaunchError, NodeExcluded, NodeLaunchError
 
+    # Exit codes (docs/runbook.md "Exit codes of pretrain launch"): STOP_EXIT_CODE (2) for what
+    # fails the same on every node (a stopped run, a config or deployment error): never restart;
+    # NodeLaunchError.EXIT_CODE (3) for what is wrong with this node only: restart elsewhere.
     try:
         if args.excluded_nodes:
             print(excluded_nodes(args.config, args.set or []))
@@ -169,25 +172,33 @@ def _launch(args: argparse.Namespace) -> int:
     except NodeExcluded as exc:
         print(f"launch refused: {exc}", file=sys.stderr)
         return NodeExcluded.EXIT_CODE
+    except NodeLaunchError as exc:
+        print(f"launch error on this node: {exc}", file=sys.stderr)
+        return NodeLaunchError.EXIT_CODE
     except LaunchError as exc:
         print(f"launch error: {exc}", file=sys.stderr)
-        return 2
+        return STOP_EXIT_CODE
     except JobStopped as exc:
         print(f"launch refused: {exc.message}", file=sys.stderr)
         return int(exc.code)
 
 
 def _node_domain(args: argparse.Namespace) -> int:
-    from pretrain.commands.node_domain import ApiServer, labels_from, node_domain
-    from pretrain.errors import LaunchError
+    from pretrain.commands.node_domain import HOSTNAME_LABEL, ApiServer, labels_from, node_domain
+    from pretrain.errors import STOP_EXIT_CODE, LaunchError, NodeLaunchError
 
     labels = labels_from(args.label, os.environ)
     api = ApiServer(args.api_server, Path(args.token_file), None) if args.api_server else None
     try:
         label, domain = node_domain(args.node, labels, Path(args.output), node_json=args.node_json, api=api)
+    except NodeLaunchError as exc:  # this node cannot reach the API server: restart elsewhere
+        print(f"node-domain error on this node: {exc}", file=sys.stderr)
+        return NodeLaunchError.EXIT_CODE
     except LaunchError as exc:
         print(f"node-domain error: {exc}", file=sys.stderr)
-        return 2
+        return STOP_EXIT_CODE
+    if label == HOSTNAME_LABEL and HOSTNAME_LABEL not in labels:
+        print(f"node {args.node}: none of the labels {', '.join(labels)}; failure domain falls back to the node")
     print(f"node {args.node}: failure domain {domain} (label {label}) -> {args.output}")
     return 0
 
@@ -248,8 +259,8 @@ def _add_node_domain_command(sub: argparse._SubParsersAction) -> None:
     nd.add_argument(
         "--label",
         action="append",
-        help="node label naming the domain, first present wins (repeatable; default: FAILURE_DOMAIN_LABEL, "
-        "else topology.k8s.aws/network-node-layer-3)",
+        help="node label naming the domain, preferred first; the trainer falls back through them to the node "
+        "(repeatable; default: FAILURE_DOMAIN_LABEL, else topology.k8s.aws/network-node-layer-3,-layer-2)",
     )
     nd.add_argument("--output", required=True, help="the topology file pretrain launch reads (TOPOLOGY_FILE)")
     nd.add_argument("--node-json", type=Path, default=None, help="a recorded `kubectl get node -o json` instead")
