@@ -35,6 +35,7 @@ from pretrain.forward import forward_step, reduce_losses
 from pretrain.observability.runlog import append_jsonl, run_dir
 from pretrain.observability.tensorboard_log import TensorBoardLog
 from pretrain.platform import cpu_shims
+from pretrain.platform.device_memory import TorchDeviceMemory, wait_for_device_memory
 from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.excluded_nodes import exclude, path_of
@@ -81,7 +82,11 @@ def train(cfg: Config) -> RunSummary:
     phases.mark_signals_until_replaced()
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     phases.enter("startup")
-    select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
+    device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
+    if device is not None:  # a dead rank (held by the kernel) or its writer may still hold this GPU
+        reclaim = wait_for_device_memory(TorchDeviceMemory(device), cfg.fault_tolerance.gpu_memory_reclaim_timeout)
+        if not reclaim.freed or reclaim.waited_s > 1.0:
+            log.warning("rank %d: %s", rank, reclaim.line())
     if cfg.fault_tolerance.inprocess.enabled:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29555")

@@ -158,6 +158,9 @@ class FaultToleranceConfig:
     # Megatron once; every rank start (restarts included) is a fork of it, seconds sooner. It serves
     # only while CUDA is not initialised in it; otherwise ranks import everything themselves.
     standby: bool = True
+    # On GPU, seconds a starting rank waits for its GPU's memory to be given back by the rank it
+    # replaces (one the kernel still holds, or its forked writer); then it goes on and says so.
+    gpu_memory_reclaim_timeout: float = 50.0
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -172,6 +175,8 @@ class FaultToleranceConfig:
         self.inprocess.check(fail.within("inprocess"))
         if self.emergency_save_timeout <= 0:
             fail("emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
+        if self.gpu_memory_reclaim_timeout < 0:
+            fail("gpu_memory_reclaim_timeout", "must be >= 0", "give the seconds to wait (0: do not wait)")
         try:
             parse_signals(self.preemption_signals)
         except ValueError as exc:
