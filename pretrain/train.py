@@ -25,11 +25,13 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from pretrain.checkpointing.manager import CheckpointManager
+from pretrain.checkpointing.memory_budget import host_memory_per_node, host_memory_refusal, node_memory_bytes
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.reshardable import wait_for_writer_warmup
 from pretrain.checkpointing.state import RestoreResult
+from pretrain.commands.plan_model import host_layout, model_size
 from pretrain.config import Config, validate
-from pretrain.errors import JobStopped, NonFiniteError, StragglerExcluded
+from pretrain.errors import ConfigError, JobStopped, NonFiniteError, StragglerExcluded
 from pretrain.evaluation import Evaluator
 from pretrain.forward import forward_step, reduce_losses
 from pretrain.observability.runlog import append_jsonl, run_dir
@@ -71,12 +73,22 @@ def setup_logging(rank: int) -> None:
     )
 
 
+def _check_host_memory(cfg: Config, world: int, cuda: bool) -> None:
+    """Refuse a node with less memory than the run's tiers need per node (``pretrain plan`` prints it)."""
+    layout = host_layout(cfg, model_size(cfg, world), _env_int("LOCAL_WORLD_SIZE", 1), gpu=cuda)
+    have = node_memory_bytes()
+    refusal = host_memory_refusal(str(cfg.source), host_memory_per_node(layout), have) if have else None
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def train(cfg: Config) -> RunSummary:
     """Run (or resume) training to ``train.steps``. Must run under torchrun/ft_launcher (or 1 rank)."""
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     setup_logging(rank)
     cuda = torch.cuda.is_available()
     validate(cfg, world, cuda)  # before any process group exists
+    _check_host_memory(cfg, world, cuda)
     cpu_shims.install()
     phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg.fault_tolerance.inject))
     phases.mark_signals_until_replaced()

@@ -5,6 +5,7 @@ torch optimizer."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,19 @@ from pretrain.checkpointing.memory_budget import (
     NodeRoom,
     RankNeed,
     cgroup_free_bytes,
+    host_memory_per_node,
     largest_storage_bytes,
     missing_moment_bytes,
     node_budget,
+    node_memory_bytes,
 )
+from pretrain.commands.plan_model import host_layout, model_size
+from pretrain.config import load_config
 from pretrain.config.training import OptimizerConfig
+from pretrain.errors import ConfigError
 from pretrain.optim import CpuAdamW
+from pretrain.train import _check_host_memory
+from tests.helpers import PYTHON, REPO, TINY
 
 GIB = 1 << 30
 
@@ -164,3 +172,82 @@ def test_the_cpu_optimizer_materialises_its_moments_so_nothing_is_missing() -> N
     opt = CpuAdamW(OptimizerConfig(), torch.nn.Linear(8, 4))
     assert missing_moment_bytes(opt) == 0
     assert missing_moment_bytes(opt.opt) == 0
+
+
+def test_the_node_memory_is_the_smaller_of_memtotal_and_the_cgroup_limit(tmp_path: Path) -> None:
+    root = _cgroup_root(
+        tmp_path,
+        "0::/job\n",
+        {
+            "proc/meminfo": "MemTotal:       4000 kB\nMemFree: 1 kB\n",
+            "sys/fs/cgroup/job/memory.max": "1024000\n",
+            "sys/fs/cgroup/job/memory.current": "0\n",
+        },
+    )
+    assert node_memory_bytes(root) == 1024000
+    (root / "sys/fs/cgroup/job/memory.max").write_text("max\n")
+    assert node_memory_bytes(root) == 4000 * 1024
+
+
+def test_the_70b_host_memory_per_node_by_tier() -> None:
+    """TP8 PP4 DP16, 8 ranks a node: the review's reading was ~820 GB with 3 tier-0 slots."""
+    cfg = load_config(REPO / "configs" / "gpt-70b-h100.yaml")
+    size = model_size(cfg, 64 * 8)
+    rows = dict(host_memory_per_node(host_layout(cfg, size, 8, gpu=True)))
+    state, n = size.state_bytes_per_rank, size.params_per_rank
+    assert rows["tier 0 tmpfs: 3 slots x (own + 1 peer)"] == 3 * 2 * (state + (4 << 20)) * 8
+    assert rows["tier 0 host copy of the largest storage (storage.cpu())"] == n * 2 * 8
+    assert rows["fully reshardable save/load peak"] == 20 * n * 8
+    assert rows["total"] == sum(v for k, v in rows.items() if k != "total")
+    assert 800e9 < rows["total"] < 900e9
+
+
+@pytest.mark.parametrize(
+    ("config", "nodes", "tier0"),
+    [("gpt-8b-h100.yaml", 8, "tier 0 (off)"), ("gpt-70b-h100.yaml", 64, "tier 0 tmpfs: 3 slots")],
+)
+def test_pretrain_plan_prints_host_memory_per_node_by_tier(config: str, nodes: int, tier0: str) -> None:
+    out = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "pretrain",
+            "plan",
+            "--config",
+            f"configs/{config}",
+            "--nodes",
+            str(nodes),
+            "--ranks-per-node",
+            "8",
+            "--mtbf-hours",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    ).stdout
+    block = out.split("host memory per node (8 ranks; refused at start where the node has less):\n")[1].splitlines()
+    assert block[0].strip().startswith(tier0)
+    names = [line.strip().rsplit("  ", 1)[0].strip() for line in block[:6]]
+    assert names[1:] == [
+        "tier 0 host copy of the largest storage (storage.cpu())",
+        "tier 1 pinned snapshot buffers",
+        "fully reshardable save/load peak",
+        "ranks' own RSS and the standby server",
+        "total",
+    ]
+    assert block[5].strip().endswith("GB")
+
+
+def test_a_node_with_less_memory_than_the_run_needs_is_refused_at_start_in_one_line() -> None:
+    have = node_memory_bytes()
+    assert have is not None
+    with pytest.raises(ConfigError) as err:  # 70B on 32 ranks: ~220 GiB a node for tier 0 alone
+        _check_host_memory(load_config(REPO / "configs" / "gpt-70b-h100.yaml"), 32, False)
+    line = str(err.value)
+    assert line.startswith(
+        f"{REPO / 'configs' / 'gpt-70b-h100.yaml'}: this node has {have / (1 << 30):.2f} GiB of memory, but "
+    )
+    assert "tier 0 tmpfs: 3 slots x (own + 1 peer)" in line and "fix:" in line and "\n" not in line
+    _check_host_memory(load_config(TINY), 1, False)  # the tiny run fits

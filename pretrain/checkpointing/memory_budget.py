@@ -2,7 +2,9 @@
 
 Owns the arithmetic of tier 0's budget per node, plus the two things it reads to get there: the
 optimizer's moments a first step will still create (:func:`missing_moment_bytes`) and the job's
-cgroup memory headroom (:func:`cgroup_free_bytes`, v2 and v1 paths). It never writes, never
+cgroup memory headroom (:func:`cgroup_free_bytes`, v2 and v1 paths), and the per-node host memory by
+tier that ``pretrain plan`` prints and :func:`pretrain.train.train` checks at start
+(:func:`host_memory_per_node`, :func:`host_memory_refusal`). It never imports torch, never writes, never
 refuses anything itself and never talks to another rank: :meth:`MemoryTier.check_capacity`
 gathers each rank's :class:`RankNeed` and the node's :class:`NodeRoom`, and refuses with
 :meth:`Budget.refusal`'s line.
@@ -27,8 +29,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 4  # fp32 moments (TE FusedAdam's and torch AdamW's default)
@@ -61,7 +61,9 @@ def largest_storage_bytes(payload: Any) -> int:
     biggest, stack = 0, [payload]
     while stack:
         v = stack.pop()
-        if isinstance(v, torch.Tensor):
+        if hasattr(
+            v, "untyped_storage"
+        ):  # a torch.Tensor (torch is not imported here: `pretrain plan` uses this module)
             biggest = max(biggest, v.untyped_storage().nbytes())
         elif isinstance(v, dict):
             stack.extend(v.values())
@@ -70,9 +72,9 @@ def largest_storage_bytes(payload: Any) -> int:
     return biggest
 
 
-def cgroup_free_bytes(root: Path = Path("/")) -> int | None:
-    """``limit - usage`` of this process's memory cgroup (v2 ``memory.max``/``memory.current``, else
-    v1 ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None without a limit or a readable cgroup."""
+def _cgroup_limit_usage(root: Path) -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup (v2 ``memory.max``/``memory.current``, else v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``); None without a limit or a readable cgroup."""
     try:
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -94,8 +96,14 @@ def cgroup_free_bytes(root: Path = Path("/")) -> int | None:
             continue
         if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2^63
             return None
-        return max(0, int(limit) - int(usage))
+        return int(limit), int(usage)
     return None
+
+
+def cgroup_free_bytes(root: Path = Path("/")) -> int | None:
+    """``limit - usage`` of this process's memory cgroup; None without a limit."""
+    got = _cgroup_limit_usage(root)
+    return None if got is None else max(0, got[0] - got[1])
 
 
 @dataclass(frozen=True)
@@ -168,3 +176,77 @@ def node_budget(ranks: list[RankNeed], slots: int, room: NodeRoom) -> Budget:
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
+
+
+# Per-node host memory by tier (``pretrain plan`` and the start-up refusal), from the layout alone.
+SLOT_SLACK = 4 * 1024 * 1024  # pickle framing per slot (as PAYLOAD_SLACK_BYTES)
+PINNED_ROUNDING = 4 / 3  # torch's CachingHostAllocator rounds each tensor to a power of two: 1-2x, ~1.3x on 70B
+RESHARDABLE_BYTES_PER_PARAM = 20  # fully reshardable DistOpt gather: 3 fp32 world tensors + copies (~44 GB for 2.2e9)
+RANK_RSS_BYTES = 10 * 10**9  # a GPU rank's own RSS (torch, Megatron, NCCL, data) beside its checkpoints
+SERVER_RSS_BYTES = 10 * 10**9  # the standby server (one per node)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What ``pretrain plan``'s model derives from a config (per rank) and the tiers it turns on."""
+
+    params_per_rank: int
+    weight_bytes: int  # per parameter (bf16: 2)
+    state_bytes_per_rank: int
+    ranks_per_node: int
+    tier0_slots: int  # 0: tier 0 off
+    peer_copies: int
+    tier1_background: bool  # pinned snapshot buffers (GPU thread writer)
+    reshardable_gather: bool  # the fully reshardable DistributedOptimizer save/load
+    gpu: bool
+
+
+def host_memory_per_node(x: Layout) -> list[tuple[str, int]]:
+    """(what, bytes) per node for each consumer of host memory, the last row their total."""
+    n = x.ranks_per_node
+    rows = [
+        (
+            f"tier 0 tmpfs: {x.tier0_slots} slots x (own + {x.peer_copies} peer)" if x.tier0_slots else "tier 0 (off)",
+            x.tier0_slots * (1 + x.peer_copies) * (x.state_bytes_per_rank + SLOT_SLACK) * n,
+        ),
+        (
+            "tier 0 host copy of the largest storage (storage.cpu())",
+            x.params_per_rank * x.weight_bytes * n if x.tier0_slots and x.gpu else 0,
+        ),
+        (
+            "tier 1 pinned snapshot buffers",
+            int(x.state_bytes_per_rank * PINNED_ROUNDING) * n if x.tier1_background and x.gpu else 0,
+        ),
+        (
+            "fully reshardable save/load peak",
+            RESHARDABLE_BYTES_PER_PARAM * x.params_per_rank * n if x.reshardable_gather else 0,
+        ),
+        ("ranks' own RSS and the standby server", (RANK_RSS_BYTES * n + SERVER_RSS_BYTES) if x.gpu else 0),
+    ]
+    return [*rows, ("total", sum(b for _, b in rows))]
+
+
+def node_memory_bytes(root: Path = Path("/")) -> int | None:
+    """What this node (or job cgroup) may hold: MemTotal, or the cgroup's limit when smaller."""
+    try:
+        meminfo = (root / "proc/meminfo").read_text()
+    except OSError:
+        return None
+    total = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemTotal:")), None)
+    limit = _cgroup_limit_usage(root)
+    if limit is not None and (total is None or limit[0] < total):
+        return limit[0]
+    return total
+
+
+def host_memory_refusal(source: str, rows: list[tuple[str, int]], have: int) -> str | None:
+    """One line naming every size when the node has less memory than the rows' total."""
+    need = rows[-1][1]
+    if need <= have:
+        return None
+    parts = ", ".join(f"{what} {_gib(b)}" for what, b in rows[:-1] if b)
+    return (
+        f"{source}: this node has {_gib(have)} of memory, but the run needs {_gib(need)} per node ({parts}); fix: run "
+        "on nodes with more memory, more nodes (a smaller state per rank), checkpoint.memory.slots lower or "
+        "checkpoint.memory.enabled=false"
+    )
