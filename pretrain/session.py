@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -52,9 +53,9 @@ def _init_model_parallel(cfg: Config) -> None:
     if parallel_state.model_parallel_is_initialized():
         return
     ipc = cfg.fault_tolerance.inprocess
-    # In-process restarts: Megatron's groups get the incarnation's collective timeout (a backstop:
-    # the restart's abort fails collectives in flight at once).
-    timeout_min = ipc.collective_timeout / 60.0 if ipc.enabled else 30
+    # In-process restarts: Megatron's groups get the incarnation's timeout for the backend (a
+    # backstop: the restart's abort fails collectives in flight at once; NCCL's outlasts hard_timeout).
+    timeout_min = ipc.group_timeout(torch.cuda.is_available()) / 60.0 if ipc.enabled else 30
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=cfg.parallel.pp,

@@ -25,16 +25,19 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from pretrain.checkpointing.manager import CheckpointManager
+from pretrain.checkpointing.memory_budget import host_memory_per_node, host_memory_refusal, node_memory_bytes
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.reshardable import wait_for_writer_warmup
 from pretrain.checkpointing.state import RestoreResult
+from pretrain.commands.plan_model import host_layout, model_size
 from pretrain.config import Config, validate
-from pretrain.errors import JobStopped, NonFiniteError, StragglerExcluded
+from pretrain.errors import ConfigError, JobStopped, NonFiniteError, StragglerExcluded
 from pretrain.evaluation import Evaluator
 from pretrain.forward import forward_step, reduce_losses
 from pretrain.observability.runlog import append_jsonl, run_dir
 from pretrain.observability.tensorboard_log import TensorBoardLog
 from pretrain.platform import cpu_shims
+from pretrain.platform.device_memory import TorchDeviceMemory, wait_for_device_memory
 from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.excluded_nodes import exclude, path_of
@@ -70,18 +73,32 @@ def setup_logging(rank: int) -> None:
     )
 
 
+def _check_host_memory(cfg: Config, world: int, cuda: bool) -> None:
+    """Refuse a node with less memory than the run's tiers need per node (``pretrain plan`` prints it)."""
+    layout = host_layout(cfg, model_size(cfg, world), _env_int("LOCAL_WORLD_SIZE", 1), gpu=cuda)
+    have = node_memory_bytes()
+    refusal = host_memory_refusal(str(cfg.source), host_memory_per_node(layout), have) if have else None
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def train(cfg: Config) -> RunSummary:
     """Run (or resume) training to ``train.steps``. Must run under torchrun/ft_launcher (or 1 rank)."""
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     setup_logging(rank)
     cuda = torch.cuda.is_available()
     validate(cfg, world, cuda)  # before any process group exists
+    _check_host_memory(cfg, world, cuda)
     cpu_shims.install()
     phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg.fault_tolerance.inject))
     phases.mark_signals_until_replaced()
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     phases.enter("startup")
-    select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
+    device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
+    if device is not None:  # a dead rank (held by the kernel) or its writer may still hold this GPU
+        reclaim = wait_for_device_memory(TorchDeviceMemory(device), cfg.fault_tolerance.gpu_memory_reclaim_timeout)
+        if not reclaim.freed or reclaim.waited_s > 1.0:
+            log.warning("rank %d: %s", rank, reclaim.line())
     if cfg.fault_tolerance.inprocess.enabled:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29555")

@@ -6,14 +6,17 @@
 #   scripts/fetch-gpu-wheels.sh [DEST]        (default DEST: wheels)
 #
 # What is fetched, and why:
-# * megatron-core and nvidia-resiliency-ext, newest releases (the users' containers run them).
+# * megatron-core and nvidia-resiliency-ext, the newest releases of the lines the Dockerfile pins
+#   (megatron-core 0.19.x, NVRx 0.7.x: what the users' containers run and compat.py supports).
 #   NVRx >= 0.5 ships manylinux_2_39 wheels only (glibc 2.39, e.g. Ubuntu 24.04); 0.4.1
 #   (manylinux_2_31) is fetched too, and pip on the GPU machine installs the newest that fits.
 # * What NVRx 0.7's ft_launcher and rank-monitor client import at module level (read from the
 #   0.7.0 sources): defusedxml, protobuf, grpcio, httpx (+ httpcore, h11, anyio, sniffio, idna,
 #   certifi), typing-extensions; nvidia-ml-py (pynvml, imported lazily); packaging (megatron-core).
 # * What the project imports that the GPU machine lacks: blake3 and xxhash (tiering's chunked
-#   digests), tqdm (prepare-data).
+#   digests), tqdm (prepare-data). Optional format readers (zstandard for .zst input, pyarrow for
+#   Parquet) are imported only where a file needs them, so the check does not carry them
+#   (tests/test_optional_imports.py imports the rank program without them).
 # * What the check itself needs beyond torch: pytest (+ pluggy, iniconfig,
 #   pygments) and pytest-timeout.
 # Transformer Engine is not fetched: its CUDA wheels are far over 64 MiB (the check then runs
@@ -32,7 +35,7 @@ download() {
   PIP_CONSTRAINT="" "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --abi cp312 --abi abi3 --abi none "${PLATFORM[@]}" -d "$DEST" "$@"
 }
-download megatron-core nvidia-resiliency-ext
+download "megatron-core>=0.19,<0.20" "nvidia-resiliency-ext>=0.7,<0.8"
 download "nvidia-resiliency-ext==0.4.1"
 download defusedxml protobuf grpcio httpx httpcore h11 anyio sniffio idna certifi typing-extensions \
   nvidia-ml-py "packaging>=24.2" blake3 xxhash tqdm pytest pluggy iniconfig pygments pytest-timeout

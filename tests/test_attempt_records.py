@@ -20,7 +20,7 @@ from pretrain.data.prepare import build_indexed_dataset
 from pretrain.resilience.attempts import AttemptLog, record_failure
 from pretrain.resilience.failures import classify
 from pretrain.resilience.job_policy import failures_without_progress
-from pretrain.resilience.phases import PhaseRecord
+from pretrain.resilience.phases import PhaseRecord, pulse_path, read_phases
 from tests.helpers import TINY
 
 
@@ -181,3 +181,32 @@ def test_a_missing_or_empty_dataset_is_a_data_failure(tmp_path: Path) -> None:
     with pytest.raises(Exception) as caught:
         build_train_dataset(empty)
     assert classify(caught.value).classification == "data", caught.value
+
+
+def test_the_pulse_is_node_local_and_the_next_process_carries_it_along(tmp_path: Path) -> None:
+    """The pulse touches a file under the node-local root, never the record on shared storage (issue
+    45 #14); the rank's next process on the node reads it into ``previous.last_alive``."""
+    run, pulse_root = tmp_path / "run", tmp_path / "shm"
+    code = (
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from pretrain.resilience.phases import PhaseRecord\n"
+        "rec = PhaseRecord(Path(sys.argv[1]), 3, pulse_root=Path(sys.argv[2]))\n"
+        "rec.enter('training')\n"
+        "rec.start_pulse()\n"
+        "time.sleep(1.5)\n"
+        "print(os.getpid())\n"
+        "os._exit(0)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(run), str(pulse_root)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    record, pulse = run / "ranks" / "rank-00003.json", pulse_path(run, 3, pulse_root)
+    assert pulse.is_relative_to(pulse_root) and pulse.read_text() == proc.stdout.strip()
+    assert pulse.stat().st_mtime - record.stat().st_mtime >= 1.0  # the record was written once, then left alone
+    assert read_phases(run, pulse_root)[3]["last_alive"] == pulse.stat().st_mtime
+    nxt = PhaseRecord(run, 3, pulse_root=pulse_root)
+    nxt.enter("startup")
+    assert nxt.previous is not None and nxt.previous["last_alive"] == pulse.stat().st_mtime
+    assert nxt.previous["phase"] == "training"

@@ -8,9 +8,12 @@ needed to see rank 1 on cuda:1).
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from pretrain.platform.rank_device import rank_device_index, select_rank_device
+from tests.helpers import REPO
 
 
 def test_each_local_rank_selects_its_own_gpu() -> None:
@@ -32,3 +35,37 @@ def test_local_rank_past_the_visible_gpus_is_a_one_line_error() -> None:
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match=r"LOCAL_RANK='x' is not an integer; fix: "):
         rank_device_index({"LOCAL_RANK": "x"}, 2)
+
+
+def _own_calls(fn: ast.FunctionDef, name: str) -> list[int]:
+    """Line numbers of calls to ``name`` (plain or attribute) in ``fn``'s own body, not in nested functions."""
+    lines, todo = [], list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.Call):
+            callee = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if callee == name:
+                lines.append(node.lineno)
+        todo.extend(ast.iter_child_nodes(node))
+    return lines
+
+
+def test_every_process_group_of_the_rank_program_starts_after_its_gpu_is_selected() -> None:
+    """Each function of ``pretrain/`` that calls ``init_process_group`` selects the rank's GPU first
+    (issue 45 #5: ``pretrain evaluate`` put every rank on cuda:0)."""
+    found = []
+    for path in sorted((REPO / "pretrain").rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef) or not (inits := _own_calls(fn, "init_process_group")):
+                continue
+            where = f"{path.relative_to(REPO)}:{fn.name}"
+            found.append(where)
+            selects = _own_calls(fn, "select_rank_device")
+            assert selects and min(selects) < min(inits), f"{where} starts a process group before select_rank_device()"
+    assert sorted(found) == [
+        "pretrain/commands/evaluate.py:evaluate",
+        "pretrain/resilience/inprocess.py:one_incarnation",
+        "pretrain/train.py:train",
+    ]

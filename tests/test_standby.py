@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -233,12 +234,35 @@ def test_a_server_whose_imports_started_a_thread_refuses_to_fork() -> None:
     assert hazard is not None and "thread" in hazard
 
 
-def test_a_server_that_loaded_the_cuda_driver_is_seen_as_unsafe_to_fork() -> None:
-    """No GPU here: the check reads /proc/self/maps lines as a GPU node's server would have them."""
+def test_a_server_that_initialised_the_cuda_driver_is_unsafe_to_fork_and_one_that_only_loaded_it_is_safe() -> None:
+    """No GPU here: the check reads /proc/self/maps lines as a GPU node's server would have them, and
+    the driver's answer (cuDeviceGetCount: CUDA_ERROR_NOT_INITIALIZED before cuInit) is given. Triton's
+    autotuner loads libcuda at import without initialising it (issue 45 #6): the server serves then."""
     gpu_maps = (
         "7f1c2a000000-7f1c2a100000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
         "7f1c2b000000-7f1c2b100000 r-xp 00000000 08:01 1235 /opt/venv/torch/lib/libcudart.so.12\n"
     )
     cpu_maps = "7f1c2b000000-7f1c2b100000 r-xp 00000000 08:01 1235 /opt/venv/lib/torch/lib/libtorch_cuda.so\n"
     assert cuda_driver_loaded(gpu_maps) and not cuda_driver_loaded(cpu_maps)
+    initialised = fork_hazard(gpu_maps, driver_initialised=lambda: True)
+    assert initialised is not None and "cuInit" in initialised
+    assert fork_hazard(gpu_maps, driver_initialised=lambda: False) is None
+    assert fork_hazard(cpu_maps, driver_initialised=lambda: True) is None  # no driver mapped: never asked
     assert "CUDA" not in (fork_hazard() or ""), "this CPU machine's pytest has no CUDA driver loaded"
+
+
+def test_the_preload_makes_torch_compile_lazy_and_finds_the_straggler_package_at_either_path() -> None:
+    code = (
+        "import sys, torch\n"
+        "from pretrain.resilience.standby.server import preload\n"
+        "preload()\n"
+        "print(torch.compile.__name__)\n"
+        "paths = ('nvidia_resiliency_ext.straggler', 'nvidia_resiliency_ext.attribution.straggler')\n"
+        "print(any(m in sys.modules for m in paths))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["_compile_at_first_call", "True"]

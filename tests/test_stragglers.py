@@ -14,6 +14,7 @@ import pytest
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from pretrain.resilience.phases import ranks_in_phase
+from pretrain.resilience.stragglers import compute_only
 from tests.cpu_throttle import CpuCap
 from tests.helpers import TINY, events, metrics_by_step, overrides_for, torchrun
 
@@ -112,3 +113,16 @@ def test_a_run_nobody_slows_names_no_straggler_and_excludes_no_node(tmp_path: Pa
     assert [r["step"] for r in reports] == list(range(INTERVAL, STEPS + 1, INTERVAL))
     assert all(r["slow_ranks"] == [] and len(r["scores"]) == 2 for r in reports), reports
     assert not (run_dir / "excluded-nodes.jsonl").exists()
+
+
+def test_the_gpu_score_is_computed_from_compute_kernels_only() -> None:
+    """NCCL kernels run longer on the fast ranks (they wait for the slow one): never scored (issue 45 #12)."""
+    summaries = {
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)_4_64_1": {"med": 9.0},
+        "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t_8_256_1": {"med": 3.0},
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>_8_128_1": {"med": 0.1},
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_1_128_1": {"med": 1.2},
+    }
+    kept = compute_only(summaries)
+    assert sorted(kept) == sorted(k for k in summaries if not k.lower().startswith("nccl"))
+    assert compute_only({}) == {}

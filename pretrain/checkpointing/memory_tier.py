@@ -31,6 +31,15 @@ from typing import Any
 import torch
 
 from pretrain.checkpointing.async_writer import WriterThread, save_state, stage_on_training_thread
+from pretrain.checkpointing.memory_budget import (
+    SHM_RESERVE_PER_RANK,
+    NodeRoom,
+    RankNeed,
+    cgroup_free_bytes,
+    largest_storage_bytes,
+    missing_moment_bytes,
+    node_budget,
+)
 from pretrain.checkpointing.per_rank import FORMAT, apply_payload, load_verified_state, rank_payload
 from pretrain.checkpointing.state import SaveResult, TrainingState, step_manifest
 from pretrain.config import Config
@@ -310,23 +319,27 @@ class MemoryTier:
                 f"{self.cfg.source}: checkpoint.memory.dir {root}: {exc.strerror or exc}; fix: point it at a "
                 "writable tmpfs (/dev/shm) or set checkpoint.memory.enabled=false"
             ) from exc
-        own = tensor_bytes(rank_payload(state, self.rank)) + PAYLOAD_SLACK_BYTES
+        payload = rank_payload(state, self.rank)
+        # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
+        own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
+        cuda = torch.cuda.is_available()
+        host = (largest_storage_bytes(payload), own) if cuda else (0, 0)  # storage.cpu() copy; pinned buffers
         owners = self.peers.owners_held if self.peers is not None else []
         held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
-        rows = self.coll.all_gather((where, own, st.f_bavail * st.f_frsize, held, owners))
+        on_shm = cuda and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's segments share it
+        row = (where, own, st.f_bavail * st.f_frsize, held, owners, host, cgroup_free_bytes(), on_shm)
+        rows = self.coll.all_gather(row)
         sizes = [r[1] for r in rows]
-        mine = [(o, sum(sizes[p] for p in ps)) for w, o, _, _, ps in rows if w == where]  # (own, peer) per rank
-        need = sum(mem.slots * (o + p) for o, p in mine)
-        have = min(r[2] for r in rows if r[0] == where) + sum(r[3] for r in rows if r[0] == where)
-        error = None
-        if need > have:
-            biggest = max(mine, key=lambda m: m[0] + m[1])
-            error = (
-                f"{self.cfg.source}: checkpoint.memory.dir {root} has {_gib(have)} free for tier 0, but {len(mine)} "
-                f"rank(s) on this node need {mem.slots} slots x (own {_gib(biggest[0])} + peer {_gib(biggest[1])}) "
-                f"= {_gib(need)}; fix: give the container at least {_gib(need)} of shared memory (docker run "
-                f"--shm-size, Kubernetes emptyDir {{medium: Memory, sizeLimit}}) or set checkpoint.memory.enabled=false"
-            )
+        node = [r for r in rows if r[0] == where]
+        needs = [RankNeed(r[1], sum(sizes[p] for p in r[4]), *r[5]) for r in node]
+        frees = [r[6] for r in node if r[6] is not None]
+        room = NodeRoom(
+            tmpfs_free_bytes=min(r[2] for r in node),
+            tier0_held_bytes=sum(r[3] for r in node),
+            cgroup_free_bytes=min(frees) if frees else None,
+            shm_reserve_bytes=SHM_RESERVE_PER_RANK * len(node) if node[0][7] else 0,
+        )
+        error = node_budget(needs, mem.slots, room).refusal(self.cfg.source, str(root))
         failed = next((e for e in self.coll.all_gather(error) if e), None)
         if failed:
             raise ConfigError(failed)

@@ -33,6 +33,7 @@ from pretrain.config import Config, validate
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
 from pretrain.platform import cpu_shims
+from pretrain.platform.rank_device import select_rank_device
 from pretrain.session import Session, build_session
 from tiering.collective import TorchCollective
 from tiering.errors import VerificationError
@@ -97,6 +98,7 @@ def evaluate(cfg: Config, checkpoint: str, step: int | None = None) -> dict[str,
     cpu_shims.install()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
+    select_rank_device()  # NCCL binds to the current device: this rank's GPU, not cuda:0
     dist.init_process_group(
         "nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
     )

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from pretrain.checkpointing.memory_budget import host_memory_per_node
 from pretrain.commands.plan import (
     CapacityPlan,
     MemoryTierPlan,
@@ -30,7 +31,7 @@ from pretrain.commands.plan import (
     plan_tier,
     size_text,
 )
-from pretrain.commands.plan_model import ModelSize, count, model_size
+from pretrain.commands.plan_model import ModelSize, count, host_layout, model_size
 from pretrain.commands.plan_sources import Figure, MeasuredCosts, costs_from_bench, costs_from_run
 from pretrain.config import Config, load_config
 
@@ -178,6 +179,13 @@ def _capacity(args: argparse.Namespace, size: ModelSize | None) -> CapacityPlan 
     )
 
 
+def _host_memory_lines(cfg: Config, size: ModelSize, ranks_per_node: int) -> list[str]:
+    rows = host_memory_per_node(host_layout(cfg, size, ranks_per_node, gpu=cfg.model.precision == "bf16"))
+    lines = [f"host memory per node ({ranks_per_node} ranks; refused at start where the node has less):"]
+    lines += [f"  {what:<58} {size_text(b):>10}" for what, b in rows]
+    return lines
+
+
 def run_plan(args: argparse.Namespace) -> int:
     mtbf = _mtbf(args)
     if mtbf is None:
@@ -206,6 +214,9 @@ def run_plan(args: argparse.Namespace) -> int:
         out = as_dict(tiers, capacity, mtbf)
         out["model"] = asdict(size) if size else None
         out["memory_tier"] = asdict(memory) if memory else None
+        if cfg is not None and size is not None:
+            layout = host_layout(cfg, size, args.ranks_per_node, gpu=cfg.model.precision == "bf16")
+            out["host_memory_per_node"] = dict(host_memory_per_node(layout))
         out["figures"] = {
             "step_s": asdict(costs.step_s) if costs.step_s else None,
             "save": {k: asdict(v) for k, v in costs.save.items()},
@@ -218,6 +229,8 @@ def run_plan(args: argparse.Namespace) -> int:
     lines.append(format_plan(tiers, capacity, mtbf))
     if memory is not None:
         lines += ["", *format_memory_tier(memory)]
+    if cfg is not None and size is not None:
+        lines += ["", *_host_memory_lines(cfg, size, args.ranks_per_node)]
     lines += notes
     print("\n".join(lines))
     return 0

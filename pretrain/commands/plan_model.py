@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pretrain.checkpointing.memory_budget import Layout
 from pretrain.config import Config, ModelConfig, padded_vocab_size
 
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}
@@ -135,3 +136,19 @@ def count(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return str(int(n))
+
+
+def host_layout(cfg: Config, size: ModelSize, ranks_per_node: int, gpu: bool) -> Layout:
+    """The host-memory figures of ``cfg``'s tiers on nodes of ``ranks_per_node`` ranks."""
+    ck = cfg.checkpoint
+    return Layout(
+        params_per_rank=size.params_per_rank,
+        weight_bytes=size.weight_bytes,
+        state_bytes_per_rank=size.state_bytes_per_rank,
+        ranks_per_node=ranks_per_node,
+        tier0_slots=ck.memory.slots if ck.memory.enabled else 0,
+        peer_copies=max(0, ck.replication.factor - 1),
+        tier1_background=ck.local.enabled and ck.async_.enabled,
+        reshardable_gather=ck.reshardable.enabled and size.distributed_optimizer,
+        gpu=gpu,
+    )

@@ -73,22 +73,36 @@ class InprocessConfig:
     hard_timeout: float = 90.0  # still stuck: the rank is terminated (the outer launcher restarts it)
     heartbeat_timeout: float = 30.0  # a rank silent for this long is taken for dead
     barrier_timeout: float = 120.0  # bound on the Wrapper's barriers and its store
-    # Timeout of every process group of an incarnation, Megatron's included: a backstop only, a
-    # fault aborts collectives in flight at once (NCCL abort; gloo: the incarnation's connections
-    # are shut down). Keep it above the longest legitimate wait (rank skew around saves).
+    # Timeout of every gloo process group of an incarnation (CPU), Megatron's included: a backstop
+    # only, a fault aborts collectives in flight at once (the incarnation's connections are shut
+    # down). Keep it above the longest legitimate wait (rank skew around saves), below hard_timeout.
     collective_timeout: float = 60.0
+    # Timeout of every NCCL process group of an incarnation (GPU). NVRx's usage guide: the NCCL
+    # watchdog must fire after hard_timeout, or it terminates the process and no in-process restart
+    # happens (its GPU example: 150 s); the Wrapper's abort ends collectives in flight at a fault.
+    nccl_timeout: float = 150.0
+    # Seconds the Wrapper's CUDA health check (a device synchronize) may take before a restart.
+    cuda_health_timeout: float = 30.0
+
+    def group_timeout(self, cuda: bool) -> float:
+        """The timeout of an incarnation's process groups: NCCL's on CUDA, gloo's otherwise."""
+        return self.nccl_timeout if cuda else self.collective_timeout
 
     def check(self, fail: Fail) -> None:
         ordered = (
             0 < self.monitor_interval < self.soft_timeout < self.hard_timeout < self.barrier_timeout
             and self.heartbeat_timeout < self.barrier_timeout
-            and 0 < self.collective_timeout < self.hard_timeout
+            and 0 < self.collective_timeout < self.hard_timeout < self.nccl_timeout
+            and self.cuda_health_timeout > 0
         )
         if self.enabled and not ordered:
             fail(
                 "",
                 "timeouts must satisfy monitor_interval < soft_timeout < hard_timeout < barrier_timeout, "
-                "heartbeat_timeout < barrier_timeout and 0 < collective_timeout < hard_timeout",
+                "heartbeat_timeout < barrier_timeout, 0 < collective_timeout (gloo) < hard_timeout < "
+                "nccl_timeout (NVRx: the NCCL watchdog must not fire before the hard timeout) and "
+                f"cuda_health_timeout > 0 (got soft {self.soft_timeout:g}, hard {self.hard_timeout:g}, "
+                f"collective {self.collective_timeout:g}, nccl {self.nccl_timeout:g})",
                 "order the timeouts",
             )
 
@@ -144,6 +158,9 @@ class FaultToleranceConfig:
     # Megatron once; every rank start (restarts included) is a fork of it, seconds sooner. It serves
     # only while CUDA is not initialised in it; otherwise ranks import everything themselves.
     standby: bool = True
+    # On GPU, seconds a starting rank waits for its GPU's memory to be given back by the rank it
+    # replaces (one the kernel still holds, or its forked writer); then it goes on and says so.
+    gpu_memory_reclaim_timeout: float = 50.0
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -158,6 +175,8 @@ class FaultToleranceConfig:
         self.inprocess.check(fail.within("inprocess"))
         if self.emergency_save_timeout <= 0:
             fail("emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
+        if self.gpu_memory_reclaim_timeout < 0:
+            fail("gpu_memory_reclaim_timeout", "must be >= 0", "give the seconds to wait (0: do not wait)")
         try:
             parse_signals(self.preemption_signals)
         except ValueError as exc:

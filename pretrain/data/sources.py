@@ -29,9 +29,8 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import BinaryIO
-
-import zstandard
 
 from pretrain.errors import DataError
 
@@ -91,11 +90,12 @@ class _ZstdReader(io.RawIOBase):
 
     _MIN_PIECE = 1 << 10
 
-    def __init__(self, raw: BinaryIO, chunk_bytes: int) -> None:
+    def __init__(self, raw: BinaryIO, chunk_bytes: int, zstandard: ModuleType) -> None:
         super().__init__()
         self._raw = raw
         self._chunk = chunk_bytes
         self._piece = self._MIN_PIECE  # grows (at most 2x a step) while the ratio allows
+        self._zstd_error = zstandard.ZstdError
         self._dctx = zstandard.ZstdDecompressor()
         self._obj = self._dctx.decompressobj()
         self._in_frame = False
@@ -127,7 +127,7 @@ class _ZstdReader(io.RawIOBase):
         while data:
             try:
                 pieces.append(self._obj.decompress(data))
-            except zstandard.ZstdError as exc:
+            except self._zstd_error as exc:
                 offset = self._raw.tell() - len(self._pending)
                 raise BadCompressedFile(f"not a valid zstd stream ({exc})", offset) from None
             self._in_frame = not self._obj.eof
@@ -160,11 +160,22 @@ class _GzipReader(io.RawIOBase):
         return len(data)
 
 
+def _zstandard(path: Path | str) -> ModuleType:
+    """The ``zstandard`` module, imported only when a ``.zst`` file is read."""
+    try:
+        # deferred: only .zst input needs it; the rank program imports this module and must not
+        # (the GPU machine has no zstandard wheel, and the trainer reads no .zst)
+        import zstandard
+    except ImportError:
+        raise DataError(f"{path}: reading .zst input needs the zstandard package; fix: pip install zstandard") from None
+    return zstandard
+
+
 def open_binary(raw: BinaryIO, path: Path | str, chunk_bytes: int = READ_CHUNK_BYTES) -> BinaryIO:
     """The decompressed bytes of ``raw`` (opened from ``path``), buffered for line iteration."""
     compression = _suffixes(path)[0]
     if compression == ".zst":
-        return io.BufferedReader(_ZstdReader(raw, chunk_bytes), chunk_bytes)  # type: ignore[return-value]
+        return io.BufferedReader(_ZstdReader(raw, chunk_bytes, _zstandard(path)), chunk_bytes)  # type: ignore[return-value]
     if compression == ".gz":
         return io.BufferedReader(_GzipReader(raw), chunk_bytes)  # type: ignore[return-value]
     return raw

@@ -1,6 +1,7 @@
 """Which GPU this rank uses: ``LOCAL_RANK`` (set by torchrun/ft_launcher), selected before NCCL starts.
 
 Owns the choice and the ``torch.cuda.set_device`` call only. Called by :func:`pretrain.train.train`
+and :func:`pretrain.commands.evaluate.evaluate`
 before any process group exists (plain runs and in-process restarts alike) and again by
 :mod:`pretrain.resilience.inprocess` in every incarnation before its ``init_process_group``:
 NCCL binds a communicator to the current device, and a thread that never chose one is on cuda:0.

@@ -11,6 +11,12 @@ prefix of a TCP store made once per process (re-initialising torch.distributed a
 store keys fails); ``ResetTrainingState`` tears them down between incarnations. Each incarnation
 selects the rank's GPU (``LOCAL_RANK``) before it starts NCCL. The threaded finalizer that NVRx
 ships needs CUDA, hence our own.
+
+On NCCL (NVRx's usage guide): the groups' timeout outlasts the Wrapper's hard timeout (the
+watchdog would otherwise terminate the process first), :data:`NCCL_ENV` is set before the first
+NCCL group (a CUDA error is not rethrown from the watchdog; NVLS off, its abort can hang), and a
+CUDA health check (a bounded device synchronize) runs before each restart. On gloo the health
+check is a no-op.
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ from pretrain.resilience.collective_abort import IncarnationConnections
 from pretrain.resilience.restarts import INCARNATION_ENV
 
 log = logging.getLogger(__name__)
+
+# What NVRx's in-process restart needs of NCCL, set (unless the launcher set them) before the first
+# NCCL group exists: NCCL reads them at communicator creation, torch at process-group creation.
+NCCL_ENV = {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def apply_nccl_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """Set :data:`NCCL_ENV` where the environment does not name the variable; returns what applies."""
+    for key, value in NCCL_ENV.items():
+        environ.setdefault(key, value)
+    return {key: environ[key] for key in NCCL_ENV}
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -137,12 +154,19 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
     pg_store = dist.TCPStore(
         host, groups_port, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        applied = apply_nccl_env(os.environ)
+        if applied != NCCL_ENV:
+            log.warning("in-process restart on NCCL with %s set by the launcher (NVRx wants %s)", applied, NCCL_ENV)
     wrapper = inprocess.Wrapper(
         store_kwargs={"port": wrapper_port, "timeout": _seconds(ipc.barrier_timeout)},
         # Compose applies right to left: NCCL's abort first, then gloo's connections.
         abort=inprocess.Compose(AbortIncarnationConnections(), inprocess.abort.AbortTorchDistributed()),
         finalize=ResetTrainingState(),
+        # Drains the failed incarnation's kernels and finds a sticky CUDA error (no-op without CUDA).
+        health_check=inprocess.health_check.CudaHealthCheck(timeout=_seconds(ipc.cuda_health_timeout)),
         monitor_thread_interval=_seconds(ipc.monitor_interval),
         monitor_process_interval=_seconds(ipc.monitor_interval),
         heartbeat_interval=_seconds(ipc.monitor_interval),
@@ -174,7 +198,7 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
             world_size=int(os.environ["WORLD_SIZE"]),
             # A backstop only: a fault aborts collectives in flight at once (NCCL by the
             # Wrapper's abort, gloo by shutting this incarnation's connections).
-            timeout=_seconds(ipc.collective_timeout),
+            timeout=_seconds(ipc.group_timeout(cuda)),
         )
         # On a fault the Wrapper's finalize tears the state down; doing it here first would
         # delay the fault's report to the peers by the teardown.

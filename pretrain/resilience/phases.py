@@ -7,10 +7,15 @@ names the phase a silent rank died in; drills and tests read it to inject a faul
 job at a chosen phase. Writes are a few per attempt (never per step) and never raise: a record
 that cannot be written must not fail the rank.
 
-Two signs of life outlive the rank for its diagnosis. A pulse thread touches the record every
-``PULSE_S`` (its mtime, no write): a rank stopped (SIGSTOP) or deadlocked with the GIL held stops
-pulsing while its peers, blocked in a collective with the GIL released, go on until the launcher
-stops them, so the rank that hung is the one whose pulse stopped first by far (``last_alive``).
+Two signs of life outlive the rank for its diagnosis. A pulse thread touches a node-local file
+(:func:`pulse_path`, under ``/dev/shm``, holding the process's pid) every ``PULSE_S`` (its mtime,
+no write): a rank stopped (SIGSTOP) or deadlocked with the GIL held stops pulsing while its peers,
+blocked in a collective with the GIL released, go on until the launcher stops them, so the rank
+that hung is the one whose pulse stopped first by far (``last_alive``). The pulse never touches
+the shared run directory (5 setattr RPCs a second per rank on Lustre or NFS at 2,000 ranks is a
+metadata load, and a stalled mount would put the thread in D): the rank's next process on the node
+reads it when it replaces the record and carries ``last_alive`` along in ``previous``; a reader on
+the same host (:func:`read_phases`) reads it too; elsewhere the record's own mtime stands in.
 A fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes ``fatal-rank-NNNNN-pid-P.txt``
 through :mod:`faulthandler` (the signal and the Python stack), named by the process, so that the
 next attempt can say which signal ended which rank.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import hashlib
 import json
 import logging
 import os
@@ -40,7 +46,8 @@ from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
-PULSE_S = 0.2  # how often a live rank touches its record (an mtime: the hang gap is read to this)
+PULSE_S = 0.2  # how often a live rank touches its pulse file (an mtime: the hang gap is read to this)
+PULSE_ROOT = Path("/dev/shm/resilient-pretrain-pulse")  # node-local (tmpfs), never the shared run dir
 FATAL_SIGNALS = {"Segmentation fault": 11, "Bus error": 7, "Floating point exception": 8, "Aborted": 6}
 
 # In the order an attempt goes through them.
@@ -61,6 +68,24 @@ def ranks_dir(run_dir: Path) -> Path:
     return run_dir / "ranks"
 
 
+def pulse_path(run_dir: Path, rank: int, root: Path = PULSE_ROOT) -> Path:
+    """This node's pulse file of ``rank`` in the run at ``run_dir`` (one folder per run directory)."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return root / key / f"rank-{rank:05d}.pulse"
+
+
+def last_pulse(pulse: Path, record: dict[str, Any]) -> float | None:
+    """When the process of ``record`` last pulsed, if its pulse file is on this host; else None."""
+    if record.get("host") != socket.gethostname():
+        return None
+    try:
+        if int(pulse.read_text() or -1) != record.get("pid"):
+            return None  # another process's (an older attempt's, or the pulse never started)
+        return pulse.stat().st_mtime
+    except (OSError, ValueError):
+        return None
+
+
 def parse_holds(spec: str | None) -> set[tuple[int, str]]:
     """``"1:verify,2:load"`` -> {(1, "verify"), (2, "load")}; raises ValueError naming a bad item."""
     out: set[tuple[int, str]] = set()
@@ -78,8 +103,15 @@ def parse_holds(spec: str | None) -> set[tuple[int, str]]:
 class PhaseRecord:
     """This rank's phase record (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, rank: int, on_enter: Callable[[str], None] = lambda phase: None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        on_enter: Callable[[str], None] = lambda phase: None,
+        pulse_root: Path = PULSE_ROOT,
+    ) -> None:
         self.path = ranks_dir(run_dir) / f"rank-{rank:05d}.json"
+        self.pulse = pulse_path(run_dir, rank, pulse_root)
         self.rank = rank
         self.restart = launcher_restart_count()
         self.on_enter = on_enter
@@ -100,8 +132,9 @@ class PhaseRecord:
             # process's first record would overwrite it: carry it along, one level deep.
             self._read_previous = True
             try:
-                alive = self.path.stat().st_mtime  # its last pulse: this record replaces the file
+                written = self.path.stat().st_mtime  # when it was last replaced: this record replaces it
                 old = json.loads(self.path.read_text(encoding="utf-8"))
+                alive = last_pulse(self.pulse, old) or written
                 self.previous = {k: v for k, v in old.items() if k != "previous"} | {"last_alive": alive}
             except (OSError, ValueError):
                 self.previous = None
@@ -141,6 +174,12 @@ class PhaseRecord:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fatal = open(fatal, "w")  # noqa: SIM115 - kept open for the life of the process
             faulthandler.enable(file=self._fatal, all_threads=False)
+        try:
+            self.pulse.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.pulse, str(os.getpid()).encode())
+        except OSError as exc:  # a diagnosis aid only
+            log.warning("%s: no pulse (%s); a hang is then told from the phase records alone", self.pulse, exc)
+            return
         threading.Thread(target=self._pulse, name="phase-pulse", daemon=True).start()
 
     def _pulse(self) -> None:
@@ -155,8 +194,8 @@ class PhaseRecord:
                 # monitor sends SIGCONT right before its SIGKILL, and a pulse squeezed in between
                 # made a hung rank look alive until its kill (seen: "every rank ended without a report").
                 continue
-            with contextlib.suppress(OSError):  # not written yet, or being replaced
-                os.utime(self.path)
+            with contextlib.suppress(OSError):  # removed by a cleanup: the record's mtime stands in
+                os.utime(self.pulse)
 
     def mark_signal(self, name: str) -> None:
         """This rank was told to stop (the launcher stopping the group after another rank failed, or
@@ -214,18 +253,20 @@ def ranks_in_phase(
     return pids
 
 
-def read_phases(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's last phase record, by rank (unreadable files are skipped: they are being replaced)."""
+def read_phases(run_dir: Path, pulse_root: Path = PULSE_ROOT) -> dict[int, dict[str, Any]]:
+    """Every rank's last phase record, by rank (unreadable files are skipped: they are being replaced),
+    with ``last_alive``: its pulse where this host holds it, else when the record was written."""
     out: dict[int, dict[str, Any]] = {}
     base = ranks_dir(run_dir)
     if not base.is_dir():
         return out
     for path in sorted(base.glob("rank-*.json")):
         try:
-            alive = path.stat().st_mtime  # the process's last pulse (see start_pulse)
+            written = path.stat().st_mtime  # the record's last replacement
             rec = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue
+        alive = last_pulse(pulse_path(run_dir, int(rec["rank"]), pulse_root), rec) or written
         out[int(rec["rank"])] = rec | {"last_alive": alive}
     return out
 

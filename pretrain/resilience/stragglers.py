@@ -2,10 +2,14 @@
 ``fault_tolerance.straggler.report_interval`` steps rank 0 names the ranks (and nodes) that are
 slower than the fastest one.
 
-What it times: the forward of every micro-batch (section ``forward``: no collective inside it with
-tp = pp = 1, so a fast rank's wait for a slow one does not count) and the whole step (section
+What it times: the forward of every micro-batch (section ``forward``) and the whole step (section
 ``step``, reported for reference: the gradient all-reduce makes it equal on every rank). On a GPU
-host the Detector also times CUDA kernels through CUPTI and the GPU score is the one judged. On a
+host the Detector also times CUDA kernels through CUPTI, in the ``forward`` section only and every
+:data:`PROFILING_INTERVAL`-th entry (CUPTI's cost bounded), and the GPU score is the one judged:
+computed from compute kernels only. NCCL kernels are dropped before scoring (:func:`compute_only`):
+with TP/SP or PP a forward holds collectives, and a fast rank's NCCL kernel runs longer while it
+waits for the slow one, which would make the fast rank score low. The CPU score (section time) is
+exact only with tp = pp = 1 (no collective inside the forward). On a
 CPU host CUPTI does not exist (NVRx 0.4.1 imports ``libcupti.so.12`` when the Detector starts), so
 the Detector is started with :class:`_NoKernelTiming` in CUPTI's place and the report is built from
 the section timings alone (``Detector.generate_report`` would call ``torch.cuda.synchronize``).
@@ -40,6 +44,10 @@ import torch
 
 from pretrain.config import StragglerConfig
 from pretrain.platform.compat import straggler_module
+
+# CUPTI times every PROFILING_INTERVAL-th entry of the forward section (NVRx's default, 1, profiles
+# every kernel of every micro-batch).
+PROFILING_INTERVAL = 10
 
 log = logging.getLogger("pretrain")
 
@@ -169,7 +177,8 @@ class StragglerWatch:
         if self.detector is None:
             yield
             return
-        with self.detector.detection_section(name, profile_cuda=self.cuda):
+        # Kernels of the forward only: the step's include the DP reduce-scatter and PP send/recv.
+        with self.detector.detection_section(name, profile_cuda=self.cuda and name == FORWARD):
             yield
 
     def wrap(self, fn: Callable[..., Any], name: str = FORWARD) -> Callable[..., Any]:
@@ -258,7 +267,13 @@ def _start_detector(node: str, cuda: bool) -> Any:
     detector = module.Detector
     if detector.initialized:  # an in-process restart: the previous attempt's detector
         detector.shutdown()
-    kwargs = {"gather_on_rank0": True, "report_time_interval": float("inf"), "node_name": node}
+    kwargs = {
+        "gather_on_rank0": True,
+        "report_time_interval": float("inf"),
+        "node_name": node,
+        # Every entry is timed on CPU (the section time is the score); CUPTI only every Nth on GPU.
+        "profiling_interval": PROFILING_INTERVAL if cuda else 1,
+    }
     if cuda:
         detector.initialize(**kwargs)
         return detector
@@ -271,10 +286,20 @@ def _start_detector(node: str, cuda: bool) -> Any:
     return detector
 
 
+def compute_only(kernel_summaries: dict[str, Any]) -> dict[str, Any]:
+    """CUPTI's kernel summaries without communication kernels (NCCL's are named ``nccl...``)."""
+    return {name: stats for name, stats in kernel_summaries.items() if "nccl" not in name.lower()}
+
+
 def _generate(detector: Any, cuda: bool) -> Any:
-    """``Detector.generate_report`` (GPU), or the same steps without its CUDA synchronize (CPU)."""
+    """``Detector.generate_report``'s steps with NCCL kernels left out (GPU), or without its CUDA
+    synchronize and kernels (CPU)."""
+    kernels: dict[str, Any] = {}
     if cuda:
-        return detector.generate_report()
-    report = detector.reporter.generate_report(detector._get_section_summaries(), {})
+        torch.cuda.synchronize()  # every kernel of the sections done, as generate_report does
+        kernels = compute_only(detector._get_kernel_summaries())
+    report = detector.reporter.generate_report(detector._get_section_summaries(), kernels)
     detector._reset_sections_elapseds()
+    if cuda:
+        detector.cupti_manager.reset_results()
     return report

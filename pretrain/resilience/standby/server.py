@@ -24,6 +24,7 @@ Run by :mod:`.beside`: ``python -m pretrain.resilience.standby.server FD``, FD a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import selectors
@@ -32,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pretrain.platform.procfs import EXIT_CODE, STATE, stat_fields
@@ -46,7 +48,8 @@ PRELOAD = (
     "pretrain.train",
     "pretrain.resilience.standby.rank_entry",
     "nvidia_resiliency_ext.fault_tolerance",
-    "nvidia_resiliency_ext.straggler",
+    "nvidia_resiliency_ext.attribution.straggler",  # NVRx >= 0.7 (pretrain.platform.compat)
+    "nvidia_resiliency_ext.straggler",  # NVRx 0.4-0.6
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
@@ -65,7 +68,10 @@ _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc's pending-signal masks
 
 def preload() -> int:
     """Import what ranks import; the number of modules loaded. A module that is missing here (no
-    NVRx straggler package, say) is skipped: the rank would fail on it the same way either way."""
+    NVRx straggler package, say) is skipped: the rank would fail on it the same way either way.
+    ``torch.compile`` is made lazy first, as ``pretrain train`` does before Megatron's imports: the
+    server skips Dynamo's and Inductor's imports, and forked ranks inherit lazily wrapped functions."""
+    importlib.import_module("pretrain.platform.lazy_compile").defer_torch_compile()
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -74,20 +80,37 @@ def preload() -> int:
     return len(sys.modules)
 
 
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
 def cuda_driver_loaded(maps: str) -> bool:
-    """Whether ``maps`` (``/proc/self/maps``) shows the CUDA driver library loaded: once it is, the
-    driver may be initialised (``cuInit``), and a forked child's CUDA calls fail, even though
-    ``torch.cuda.is_initialized()`` still says False (``torch.cuda.is_available()`` does that)."""
-    return "/libcuda.so" in maps  # libcuda.so.1, libcuda.so.550.54.15; never libcudart
+    """Whether ``maps`` (``/proc/self/maps``) shows the CUDA driver library loaded (libcuda.so.1,
+    libcuda.so.550.54.15; never libcudart). Loaded is not initialised: Triton's autotuner (>= 3.2)
+    loads it at import through its ``cuda_utils`` module, and a fork is still safe then."""
+    return "/libcuda.so" in maps
 
 
-def fork_hazard() -> str | None:
-    """Why forking this process would hand ranks a broken copy, if it would."""
+def cuda_driver_initialised() -> bool:
+    """With the driver library mapped: whether ``cuInit`` ran in this process. ``cuDeviceGetCount``
+    answers CUDA_ERROR_NOT_INITIALIZED before ``cuInit`` and initialises nothing; RTLD_NOLOAD takes
+    the library already mapped and never loads one. ``torch.cuda.is_initialized()`` cannot tell:
+    ``torch.cuda.is_available()`` may run ``cuInit`` without it turning True."""
+    driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
+
+
+def fork_hazard(
+    maps: str | None = None, driver_initialised: Callable[[], bool] = cuda_driver_initialised
+) -> str | None:
+    """Why forking this process would hand ranks a broken copy, if it would. Python threads are
+    counted, not ``/proc/self/task``: importing torch starts a native thread of its own (measured:
+    2 tasks, 1 Python thread), which takes no lock a forked rank needs and forks never met trouble with."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised by an import (a forked child cannot use it)"
-    if cuda_driver_loaded(Path("/proc/self/maps").read_text()):
-        return "the CUDA driver was loaded by an import (a forked child could not use CUDA)"
+    if cuda_driver_loaded(Path("/proc/self/maps").read_text() if maps is None else maps) and driver_initialised():
+        return "the CUDA driver was initialised by an import (cuInit: a forked child could not use CUDA)"
     threads = threading.active_count()
     if threads > 1:
         return f"the imports started {threads - 1} thread(s) (a fork would copy their locks held)"
