@@ -246,6 +246,7 @@ def test_a_server_that_loaded_the_cuda_driver_is_seen_as_unsafe_to_fork() -> Non
     assert "CUDA" not in (fork_hazard() or ""), "this CPU machine's pytest has no CUDA driver loaded"
 
 
+@pytest.mark.slow  # a real 2-rank job under ft_launcher: make test, not the edit loop
 def test_the_pretrain_console_script_under_ft_launcher_runs_its_ranks_as_forks_of_the_standby_server(
     tmp_path: Path, corpus: Path
 ) -> None:
