@@ -13,6 +13,7 @@ from pretrain.checkpointing.tiering_config import run_gc, run_upload
 from pretrain.commands.plan_command import add_plan_arguments
 from pretrain.config import load_config
 from pretrain.errors import ConfigError, DataError
+from pretrain.resilience.standby.client import forward
 from tiering.cli import configure_logging
 from tiering.errors import LeaseError
 
@@ -416,6 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``pretrain`` console script: under a launcher with a standby server beside it, the rank
+    is forked there (already imported), as ``python -m pretrain`` does; otherwise it runs here.
+    ``argv`` given (a caller in this process, not a command line): always here."""
+    if argv is None:
+        code = forward("pretrain")  # the fork runs ``python -m pretrain`` with this process's argv
+        if code is not None:
+            return code
+    return run(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The command ``argv`` (default: this process's command line) in this process."""
     # torch warns about a deprecated pynvml on every import: noise for CLI users.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)
