@@ -20,7 +20,8 @@ FROM ${BASE_IMAGE}
 # awsome-distributed-training Megatron image: the base's IB verbs packages out (the EFA installer
 # brings its own rdma-core; the HPC-X copy shadowing it breaks the plugin's load), the EFA
 # userspace without kernel module, aws-ofi-nccl built against it and the base's CUDA, both on the
-# loader path. Versions pinned together; the build fails if the plugin cannot resolve a library.
+# loader path (NCCL_NET_PLUGIN=ofi in the deployments makes NCCL load libnccl-net-ofi.so by name).
+# Versions pinned together; the build fails if the plugin is missing or cannot resolve a library.
 ARG EFA_INSTALLER_VERSION=1.42.0
 ARG AWS_OFI_NCCL_VERSION=1.16.0
 ENV LD_LIBRARY_PATH=/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:${LD_LIBRARY_PATH} \
@@ -39,8 +40,8 @@ RUN apt-get update \
      && make -j"$(nproc)" && make install) \
  && rm -rf /tmp/aws-efa-installer* /tmp/aws-ofi-nccl-* /var/lib/apt/lists/* \
  && ldconfig \
- && plugin=$(ls /opt/amazon/ofi-nccl/lib/libnccl-net*.so | head -n1) \
- && test -n "$plugin" \
+ && plugin=/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so \
+ && test -f "$plugin" \
  && ! ldd "$plugin" | grep "not found" \
  && fi_info --version
 

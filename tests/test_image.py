@@ -159,6 +159,7 @@ def test_the_image_installs_the_efa_userspace_and_the_nccl_plugin_it_proves_load
     assert "efa_installer.sh -y -g -d --skip-kmod --skip-limit-conf --no-verify" in run
     assert "--with-libfabric=/opt/amazon/efa" in run and "--with-cuda=" in run and "--enable-platform-aws" in run
     assert "apt-get remove -y --allow-change-held-packages ibverbs-utils libibverbs-dev libibverbs1" in run
+    assert "plugin=/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so" in run and 'test -f "$plugin"' in run
     assert '! ldd "$plugin" | grep "not found"' in run and "fi_info --version" in run
     env = " ".join(a for k, a in instructions() if k == "ENV")
     assert re.search(r"LD_LIBRARY_PATH=/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:", env)
@@ -169,3 +170,5 @@ def test_the_image_installs_the_efa_userspace_and_the_nccl_plugin_it_proves_load
 def test_efa_deployments_make_nccl_fail_without_the_plugin(overlay: str) -> None:
     env = env_configmap(build(overlay))
     assert env["NCCL_NET"] == "OFI" and env["FI_PROVIDER"] == "efa"
+    plugin = next(a for k, a in instructions() if k == "RUN" and "plugin=" in a).split("plugin=")[1].split()[0]
+    assert plugin.endswith(f"/libnccl-net-{env['NCCL_NET_PLUGIN']}.so"), "NCCL loads the plugin the image built"
