@@ -328,6 +328,8 @@ def test_unreachable_s3_backs_off_and_training_continues(tmp_path: Path, corpus:
                 "checkpoint.s3.uri": "s3://nobucket/ckpt",
                 "checkpoint.s3.endpoint_url": dead,
                 "checkpoint.reshardable.interval": 10,
+                # A store that cannot be listed may hold the run's steps: a fresh start must say it is one.
+                "checkpoint.allow_fresh_start": "true",
             },
         ),
     )

@@ -273,11 +273,12 @@ class TieredCheckpointer:
             # It may hold the run's steps, and cannot be asked: never a silent start from step 0.
             where.append(f"reshardable {self.reshardable.tier.layout.run_dir} (not listed: its storage is stalled)")
         if self.coll.rank == 0 and self.remote is not None:
-            try:
-                steps = self.remote.committed_steps()
-            except ObjectStoreError as exc:
-                steps = []
-                self._unusable.append(f"S3 unreachable ({exc})")
+            # Only a store that answered and listed nothing allows a fresh start: an unreachable one
+            # (endpoint, network, credentials) may hold every step of the run.
+            steps, unlisted = self.remote.committed_or_unlisted()
+            if unlisted is not None:
+                where.append(unlisted)
+                self._unusable.append("S3 unreachable (see above)")
             if steps:
                 where.append(f"{self.remote.where(self.remote.base)} steps {steps}")
         found = sorted({w for part in self.coll.all_gather(where) for w in part})
