@@ -63,15 +63,27 @@ def _init_model_parallel(cfg: Config) -> None:
     )
 
 
-def _wrap_ddp(parallel: ParallelConfig, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config(parallel: ParallelConfig, cuda: bool) -> DistributedDataParallelConfig:
+    """On CUDA the gradient reduce-scatter overlaps the backward in buckets (Megatron's default
+    bucket: max(40M, 1M x DP) elements); on CPU one bucket after the backward (the bit-exact tests'
+    order). The parameter all-gather is not overlapped: its forward pre-hook would all-gather into
+    the parameter buffer while a tier's snapshot of the step reads it (stale weights but the local
+    shard) until the snapshot is taken after ``finish_param_sync`` or the weights are not saved."""
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=cuda,
+        overlap_param_gather=False,
         use_distributed_optimizer=uses_distributed_optimizer(parallel),
     )
-    ddp = DistributedDataParallel(tconfig, ddp_config, model)
+
+
+def _wrap_ddp(parallel: ParallelConfig, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
+    config = ddp_config(parallel, torch.cuda.is_available())
+    ddp = DistributedDataParallel(tconfig, config, model)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = ddp.no_sync
+    if config.overlap_grad_reduce:  # as Megatron's trainer: the last micro-batch starts each bucket's reduce
+        tconfig.grad_sync_func = ddp.start_grad_sync
     return ddp
 
 
