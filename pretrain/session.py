@@ -6,11 +6,13 @@ restored here (:meth:`pretrain.checkpointing.manager.CheckpointManager.restore` 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -47,6 +49,21 @@ class Session:
     runlog: RunLog
     monitor: RankMonitor
     phases: PhaseRecord | None = None
+
+
+# Control-plane collectives (attempt ids, save statuses, restore agreement, an S3 step rank 0
+# fetched) may wait as long as a restore's slowest part: NVRx's setup section (30 min in
+# configs/ft-h100.yaml), not NCCL's 10 min.
+CONTROL_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def control_collective() -> TorchCollective:
+    """Collective. The control plane's collectives on gloo: on a NCCL default group each
+    ``all_gather_object`` is two NCCL all-gathers plus device-to-host syncs, and a wait behind rank
+    0's S3 download would meet the NCCL watchdog at 10 min. On CPU the default group is gloo already."""
+    if dist.get_backend() == "gloo":
+        return TorchCollective()
+    return TorchCollective(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
 
 
 def _init_model_parallel(cfg: Config) -> None:
@@ -114,7 +131,7 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
     if phases is not None:
         phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)
     _init_model_parallel(cfg)
-    coll = TorchCollective()
+    coll = control_collective()
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     dataset, valid = build_datasets(cfg)
