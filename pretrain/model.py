@@ -84,6 +84,21 @@ def resolve_spec_name(model: ModelConfig) -> str:
     return model.spec
 
 
+def fusions(cuda: bool, te: bool) -> dict[str, bool]:
+    """Megatron's fused kernels: off on CPU (CUDA-only; the reference paths there), on with CUDA.
+    Some need Transformer Engine (or Apex, not installed): the wgrad accumulation into main_grad,
+    the fused RoPE and the masked softmax (the local spec's attention is SDPA, no softmax to fuse).
+    ``persist_layer_norm`` needs Apex's persistent LayerNorm; TE has its own norms."""
+    return {
+        "bias_activation_fusion": cuda,
+        "bias_dropout_fusion": cuda,
+        "masked_softmax_fusion": cuda and te,
+        "apply_rope_fusion": cuda and te,
+        "gradient_accumulation_fusion": cuda and te,
+        "persist_layer_norm": False,
+    }
+
+
 def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
     bf16 = m.precision == "bf16"
     return TransformerConfig(
@@ -107,13 +122,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig) -> TransformerConfig:
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Shapes are static per run; the schedules need them for p2p communication.
         variable_seq_lengths=False,
-        # Megatron's fused kernels are CUDA-only; keep the reference paths on CPU.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **fusions(torch.cuda.is_available(), resolve_spec_name(m) == "te"),
         batch_p2p_comm=torch.cuda.is_available(),
         batch_p2p_sync=torch.cuda.is_available(),
     )

@@ -6,11 +6,13 @@ restored here (:meth:`pretrain.checkpointing.manager.CheckpointManager.restore` 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -49,6 +51,21 @@ class Session:
     phases: PhaseRecord | None = None
 
 
+# Control-plane collectives (attempt ids, save statuses, restore agreement, an S3 step rank 0
+# fetched) may wait as long as a restore's slowest part: NVRx's setup section (30 min in
+# configs/ft-h100.yaml), not NCCL's 10 min.
+CONTROL_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def control_collective() -> TorchCollective:
+    """Collective. The control plane's collectives on gloo: on a NCCL default group each
+    ``all_gather_object`` is two NCCL all-gathers plus device-to-host syncs, and a wait behind rank
+    0's S3 download would meet the NCCL watchdog at 10 min. On CPU the default group is gloo already."""
+    if dist.get_backend() == "gloo":
+        return TorchCollective()
+    return TorchCollective(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
+
+
 def _init_model_parallel(cfg: Config) -> None:
     if parallel_state.model_parallel_is_initialized():
         return
@@ -63,15 +80,27 @@ def _init_model_parallel(cfg: Config) -> None:
     )
 
 
-def _wrap_ddp(parallel: ParallelConfig, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
-    ddp_config = DistributedDataParallelConfig(
+def ddp_config(parallel: ParallelConfig, cuda: bool) -> DistributedDataParallelConfig:
+    """On CUDA the gradient reduce-scatter overlaps the backward in buckets (Megatron's default
+    bucket: max(40M, 1M x DP) elements); on CPU one bucket after the backward (the bit-exact tests'
+    order). The parameter all-gather is not overlapped: its forward pre-hook would all-gather into
+    the parameter buffer while a tier's snapshot of the step reads it (stale weights but the local
+    shard) until the snapshot is taken after ``finish_param_sync`` or the weights are not saved."""
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=cuda,
+        overlap_param_gather=False,
         use_distributed_optimizer=uses_distributed_optimizer(parallel),
     )
-    ddp = DistributedDataParallel(tconfig, ddp_config, model)
+
+
+def _wrap_ddp(parallel: ParallelConfig, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
+    config = ddp_config(parallel, torch.cuda.is_available())
+    ddp = DistributedDataParallel(tconfig, config, model)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.no_sync_func = ddp.no_sync
+    if config.overlap_grad_reduce:  # as Megatron's trainer: the last micro-batch starts each bucket's reduce
+        tconfig.grad_sync_func = ddp.start_grad_sync
     return ddp
 
 
@@ -102,7 +131,7 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
     if phases is not None:
         phases.enter("monitor", monitor=monitor.active, monitor_wedged=monitor.wedged)
     _init_model_parallel(cfg)
-    coll = TorchCollective()
+    coll = control_collective()
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     dataset, valid = build_datasets(cfg)

@@ -45,7 +45,7 @@ from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.stragglers import FORWARD, STEP, StragglerWatch, sink_to
-from pretrain.session import Session, build_session
+from pretrain.session import Session, build_session, control_collective
 from tiering.collective import TorchCollective
 
 log = logging.getLogger("pretrain")
@@ -95,6 +95,11 @@ def train(cfg: Config) -> RunSummary:
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     phases.enter("startup")
     device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
+    if cuda:
+        # The gloo groups beside NCCL (control plane, replication, tier 0's peer stream) span the
+        # world but each rank talks to a few peers: connect pairs at first use, not a full mesh
+        # (~4,000 sockets a rank at 2,000 ranks; "Too many open files"). torch >= 2.7 reads it.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if device is not None:  # a dead rank (held by the kernel) or its writer may still hold this GPU
         reclaim = wait_for_device_memory(TorchDeviceMemory(device), cfg.fault_tolerance.gpu_memory_reclaim_timeout)
         if not reclaim.freed or reclaim.waited_s > 1.0:
@@ -120,7 +125,7 @@ def train(cfg: Config) -> RunSummary:
 
 def _train_in_group(cfg: Config, rank: int, world: int, phases: PhaseRecord | None = None) -> RunSummary:
     """One attempt inside its frame: opened, run, and on any exception reported and closed."""
-    ctx = open_attempt(cfg, rank, world, TorchCollective(), phases)
+    ctx = open_attempt(cfg, rank, world, control_collective(), phases)
     try:
         return _run_attempt(cfg, rank, world, ctx)
     except JobStopped:

@@ -206,7 +206,20 @@ def test_the_pulse_is_node_local_and_the_next_process_carries_it_along(tmp_path:
     assert pulse.is_relative_to(pulse_root) and pulse.read_text() == proc.stdout.strip()
     assert pulse.stat().st_mtime - record.stat().st_mtime >= 1.0  # the record was written once, then left alone
     assert read_phases(run, pulse_root)[3]["last_alive"] == pulse.stat().st_mtime
-    nxt = PhaseRecord(run, 3, pulse_root=pulse_root)
-    nxt.enter("startup")
-    assert nxt.previous is not None and nxt.previous["last_alive"] == pulse.stat().st_mtime
-    assert nxt.previous["phase"] == "training"
+    last = pulse.stat().st_mtime
+    # The next process as train() runs it: its pulse starts before its first record.
+    nxt = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from pretrain.resilience.phases import PhaseRecord\n"
+        "rec = PhaseRecord(Path(sys.argv[1]), 3, pulse_root=Path(sys.argv[2]))\n"
+        "rec.start_pulse()\n"
+        "rec.enter('startup')\n"
+        "print(json.dumps(rec.previous))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", nxt, str(run), str(pulse_root)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    previous = json.loads(proc.stdout)
+    assert previous["last_alive"] == last and previous["phase"] == "training"

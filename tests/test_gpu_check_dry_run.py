@@ -1,6 +1,7 @@
 """The prepared single-GPU check cannot rot: ``scripts/gpu-check.sh --cpu`` runs the same entry
 points (training with an in-process kill and restart, the reshard load at 2 gloo ranks, the
-snapshot benchmark, the version and ft_launcher-flag checks) at CPU size in make test (the main
+snapshot benchmark, the version and ft_launcher-flag checks, a job under ft_launcher with standby,
+the in-process Wrapper and tier 0, restarted in-process and by the launcher) at CPU size in make test (the main
 pytest run collects tests/gpu/ too, in its default GPU mode: without CUDA every test there skips);
 the offline wheel installer picks wheels by interpreter, ABI and glibc and installs them into a target."""
 
@@ -29,6 +30,7 @@ GPU_TESTS = {
     "test_each_parameter_keeps_its_own_adam_step_after_a_restore",
     "test_reshardable_restore_of_the_optimizer_resumes_exactly",
     "test_snapshot_copy_runs_on_the_tensors_device",
+    "test_a_job_restarts_in_process_and_under_its_launcher_from_tier0_with_ranks_forked_by_standby",
 }
 
 
@@ -43,7 +45,7 @@ def _gpu_check(tmp: Path, *args: str, timeout: int) -> tuple[subprocess.Complete
 
 @pytest.mark.slow  # a job of a minute: make test runs it, make test-fast leaves it out
 def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
-    proc, report = _gpu_check(tmp_path, "--cpu", timeout=900)
+    proc, report = _gpu_check(tmp_path, "--cpu", timeout=960)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["mode"] == "cpu" and set(report["tests"]) == GPU_TESTS
     assert {t["outcome"] for t in report["tests"].values()} == {"passed"}, report["tests"]
@@ -60,6 +62,12 @@ def test_cpu_dry_run_of_the_gpu_check(tmp_path: Path) -> None:
     bench = report["tests"]["test_background_save_blocks_less_than_a_sync_save"]["figures"]
     assert 0 < bench["blocked_ratio"] < 1 and bench["snapshot"]["gb_per_s"] > 0
     assert bench["sizing"]["limited_by"] and bench["copy_binding"] is None
+    job = report["tests"][
+        "test_a_job_restarts_in_process_and_under_its_launcher_from_tier0_with_ranks_forked_by_standby"
+    ]
+    figures = job["figures"]
+    assert figures["world_size"] == 2 and figures["standby_served"], figures
+    assert [r["tier"] for r in figures["restores"]] == ["memory", "memory"], figures["restores"]
 
 
 def test_wheels_are_picked_by_interpreter_and_glibc() -> None:

@@ -46,7 +46,8 @@ class SingleProcess:
 
 
 class TorchCollective:
-    """Collectives over a torch.distributed group (gloo for objects; works beside NCCL)."""
+    """Collectives over a torch.distributed group: the default group unless one is given (the rank
+    program passes a gloo group beside NCCL: object collectives on NCCL cost device syncs)."""
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist  # deferred: the tiering CLI and S3 paths run without torch

@@ -326,7 +326,7 @@ class MemoryTier:
         host = (largest_storage_bytes(payload), own) if cuda else (0, 0)  # storage.cpu() copy; pinned buffers
         owners = self.peers.owners_held if self.peers is not None else []
         held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
-        on_shm = cuda and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's segments share it
+        on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's
         row = (where, own, st.f_bavail * st.f_frsize, held, owners, host, cgroup_free_bytes(), on_shm)
         rows = self.coll.all_gather(row)
         sizes = [r[1] for r in rows]

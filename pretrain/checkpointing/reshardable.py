@@ -42,8 +42,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain.checkpointing.async_writer import killed_by_signal
@@ -82,6 +91,25 @@ log = logging.getLogger(__name__)
 FORMAT = "megatron-dist+rank-state/v1"
 WRITER_EXIT_WAIT_S = 2.0  # a killed writer not gone by then is held by the kernel (stalled storage)
 POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) this often
+
+
+def save_strategy() -> FullyParallelSaveStrategyWrapper:
+    """Megatron's default save strategy spread over the data-parallel group, as Megatron's trainer
+    does (``--ckpt-fully-parallel-save``): each DP replica writes a share of the replicated shards,
+    not DP rank 0's nodes all of them. Metadata only crosses ranks (works on gloo)."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
+
+
+def load_strategy(checkpoint_dir: Path) -> LoadShardedStrategy | None:
+    """On CUDA, Megatron's default load strategy spread over the data-parallel group
+    (``--ckpt-fully-parallel-load``): each DP replica reads a share and the shares are exchanged,
+    so storage reads are not multiplied by DP. On CPU the default (Megatron 0.16.1's exchange puts
+    the shares on ``cuda`` and synchronizes CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(checkpoint_dir)), group)
 
 
 class ReshardableCheckpoints:
@@ -329,6 +357,7 @@ class ReshardableCheckpoints:
         request = dist_checkpointing.save(
             {"model": model_sd, "optimizer": optim_sd},
             str(tmp / "model"),
+            save_strategy(),
             async_sharded_save=background,
             **(async_save_kwargs() if background else {}),
         )
@@ -375,7 +404,9 @@ class ReshardableCheckpoints:
         # A load template, as Megatron's own loader asks for it (megatron/training/checkpointing.py,
         # core_r0.19.0 L2280): the DistributedOptimizer allocates its state for it first.
         optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable", is_loading=True)
-        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
+        loaded = dist_checkpointing.load(
+            {"model": model_sd, "optimizer": optim_sd}, str(path / "model"), load_strategy(path / "model")
+        )
         state.model.load_state_dict(loaded["model"], strict=True)
         state.optimizer.load_sharded_state_dict(loaded["optimizer"])
         rng_restored = self._restore_rank_state(path, trainer, state)

@@ -127,17 +127,7 @@ class PhaseRecord:
         if phase == self.phase:
             return
         self.phase = phase
-        if not self._read_previous:
-            # The next attempt's diagnosis needs the phase a killed rank died in, and this
-            # process's first record would overwrite it: carry it along, one level deep.
-            self._read_previous = True
-            try:
-                written = self.path.stat().st_mtime  # when it was last replaced: this record replaces it
-                old = json.loads(self.path.read_text(encoding="utf-8"))
-                alive = last_pulse(self.pulse, old) or written
-                self.previous = {k: v for k, v in old.items() if k != "previous"} | {"last_alive": alive}
-            except (OSError, ValueError):
-                self.previous = None
+        self._carry_previous()
         self._record = {
             "rank": self.rank,
             "phase": phase,
@@ -151,6 +141,21 @@ class PhaseRecord:
         }
         self._write()
         self.on_enter(phase)
+
+    def _carry_previous(self) -> None:
+        """Once, before this process replaces the record or the pulse file: the next attempt's
+        diagnosis needs the phase a killed rank died in and its last pulse: carry them along, one
+        level deep."""
+        if self._read_previous:
+            return
+        self._read_previous = True
+        try:
+            written = self.path.stat().st_mtime  # when it was last replaced: this record replaces it
+            old = json.loads(self.path.read_text(encoding="utf-8"))
+            alive = last_pulse(self.pulse, old) or written
+            self.previous = {k: v for k, v in old.items() if k != "previous"} | {"last_alive": alive}
+        except (OSError, ValueError):
+            self.previous = None
 
     def _write(self) -> None:
         if self._record and self._record.get("pid") != os.getpid():
@@ -174,6 +179,7 @@ class PhaseRecord:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fatal = open(fatal, "w")  # noqa: SIM115 - kept open for the life of the process
             faulthandler.enable(file=self._fatal, all_threads=False)
+        self._carry_previous()  # the previous process's pulse, before this one's replaces it
         try:
             self.pulse.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.pulse, str(os.getpid()).encode())

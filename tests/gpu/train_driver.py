@@ -13,8 +13,9 @@
    restores the fully reshardable step 10 (the DistributedOptimizer loaded from Megatron's
    distributed checkpoint) and trains to 30.
 
-Deterministic algorithms are on (``torch.use_deterministic_algorithms(True, warn_only=True)``
-and ``CUBLAS_WORKSPACE_CONFIG``, set before CUDA starts): each restarted run's losses must equal
+Deterministic algorithms are on (``torch.use_deterministic_algorithms(True, warn_only=True)``,
+``CUBLAS_WORKSPACE_CONFIG`` and, for Transformer Engine, ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``,
+set before CUDA starts and TE is imported): each restarted run's losses must equal
 the baseline's bit for bit; only where torch's warning names a kernel without a deterministic
 implementation may they differ, within ``LOSS_TOLERANCE``, and the report names the kernels.
 Each restarted run's newest tier-1 file must hold the Adam ``step`` of its step for every
@@ -40,6 +41,9 @@ from typing import Any
 
 # Before torch initialises cuBLAS: its deterministic workspace.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# Before Transformer Engine is imported: its fused attention's backward is nondeterministic otherwise,
+# and TE's kernels raise no torch warning, so the tolerance rule below could not name them.
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
 import torch  # noqa: E402
 

@@ -22,7 +22,7 @@ import socket
 import sys
 from types import FrameType
 
-from pretrain.resilience.standby import wire
+from pretrain.resilience.standby import placement, wire
 
 # Everything a launcher or a user may send a rank and expect it to handle (SIGKILL and SIGSTOP
 # cannot be caught: the rank dies with the client, and a stopped client stops nothing).
@@ -73,7 +73,8 @@ def _request(sock: socket.socket, module: str) -> None:
     env[wire.AGENT_ENV] = str(os.getppid())
     pidfd = os.pidfd_open(os.getpid())
     try:
-        wire.send(sock, {"module": module, "argv": sys.argv, "env": env, "cwd": os.getcwd()}, [0, 1, 2, pidfd])
+        message = {"module": module, "argv": sys.argv, "env": env, "cwd": os.getcwd(), "placement": placement.read()}
+        wire.send(sock, message, [0, 1, 2, pidfd])
     finally:
         os.close(pidfd)
 

@@ -1,6 +1,6 @@
-"""What a forked rank runs: it takes on the client's streams, environment, directory and command
-line, dies with its client, and runs the client's module as ``python -m MODULE`` would (for a rank,
-``pretrain``: already imported by the server)."""
+"""What a forked rank runs: it takes on the client's streams, environment, directory, command
+line, CPU affinity and NUMA memory policy, dies with its client, and runs the client's module as
+``python -m MODULE`` would (for a rank, ``pretrain``: already imported by the server)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from pretrain.resilience.standby import placement
 from pretrain.resilience.standby.wire import JOB_SIGNALS, RankRequest
 
 
@@ -28,6 +29,7 @@ def _die_with_client(pidfd: int) -> None:
 def take_over(request: RankRequest) -> None:
     """Become the client's rank: its session, streams, environment, directory and argv."""
     os.setsid()  # out of the server's process group: a signal to the server is not one to the rank
+    placement.apply(request.placement)  # numactl/affinity bound the client: the rank, before it allocates
     for target, fd in enumerate(request.stdio):
         os.dup2(fd, target)
         os.close(fd)

@@ -162,7 +162,15 @@ class Server:
         if message is None or len(fds) != wire.STDIO_AND_PIDFD:
             conn.close()
             return None
-        request = RankRequest(message["module"], message["argv"], message["env"], message["cwd"], fds[:3], fds[3])
+        request = RankRequest(
+            message["module"],
+            message["argv"],
+            message["env"],
+            message["cwd"],
+            fds[:3],
+            fds[3],
+            message.get("placement", {}),
+        )
         pid = os.fork()
         if pid == 0:
             self._become_child(conn)

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ENV = "PRETRAIN_STANDBY"  # the server's abstract address (without the leading NUL)
@@ -41,6 +41,7 @@ class RankRequest:
     cwd: str
     stdio: list[int]  # the client's stdin, stdout, stderr
     client_pidfd: int  # readable once the client has exited
+    placement: dict[str, Any] = field(default_factory=dict)  # the client's CPUs and memory policy (.placement)
 
 
 def connect(name: str) -> socket.socket:
