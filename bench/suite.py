@@ -395,6 +395,9 @@ def save_cost_table(results: dict[str, Any]) -> str:
             )
         for name, why in cost["skipped"].items():
             lines.append(f"| {b['size_mb']} MB | {name} | skipped: {why} | | | | |")
+        ratio = cost.get("agent_over_in_process")
+        if ratio:
+            lines.append(f"| {b['size_mb']} MB | step excess through the agent / in the rank | {cell(ratio, 'x')} | | | | |")
         best = cost["default_mode"]
         said = (
             f"tier-1 mode with the smaller cost: {best['mode']}"
