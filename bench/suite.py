@@ -397,7 +397,8 @@ def save_cost_table(results: dict[str, Any]) -> str:
             lines.append(f"| {b['size_mb']} MB | {name} | skipped: {why} | | | | |")
         ratio = cost.get("agent_over_in_process")
         if ratio:
-            lines.append(f"| {b['size_mb']} MB | step excess through the agent / in the rank | {cell(ratio, 'x')} | | | | |")
+            what = "step excess through the agent / in the rank"
+            lines.append(f"| {b['size_mb']} MB | {what} | {cell(ratio, 'x')} | | | | |")
         best = cost["default_mode"]
         said = (
             f"tier-1 mode with the smaller cost: {best['mode']}"
