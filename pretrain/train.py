@@ -9,6 +9,7 @@ when, in the foreground or the background, and what is reported, is the manager'
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from pretrain.checkpointing.agent.client import AgentLink, keep_agent_watching
 from pretrain.checkpointing.manager import CheckpointManager
 from pretrain.checkpointing.memory_budget import host_memory_per_node, host_memory_refusal, node_memory_bytes
 from pretrain.checkpointing.reporting import SaveReport
@@ -31,7 +33,7 @@ from pretrain.checkpointing.reshardable import wait_for_writer_warmup
 from pretrain.checkpointing.state import RestoreResult
 from pretrain.commands.plan_model import host_layout, model_size
 from pretrain.config import Config, validate
-from pretrain.errors import ConfigError, JobStopped, NonFiniteError, StragglerExcluded
+from pretrain.errors import AgentGone, ConfigError, JobStopped, NonFiniteError, StragglerExcluded
 from pretrain.evaluation import Evaluator
 from pretrain.forward import forward_step, reduce_losses
 from pretrain.observability.runlog import append_jsonl, run_dir
@@ -49,6 +51,7 @@ from pretrain.session import Session, build_session, control_collective
 from tiering.collective import TorchCollective
 
 log = logging.getLogger("pretrain")
+_AGENT_WATCH: AgentLink | None = None  # the connection that keeps the node's agent (and its hang watch) up
 
 
 @dataclass
@@ -93,6 +96,8 @@ def train(cfg: Config) -> RunSummary:
     phases = PhaseRecord(run_dir(cfg.run.dir, cfg.run.id), rank, on_enter=phase_hold(cfg.fault_tolerance.inject))
     phases.mark_signals_until_replaced()
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
+    global _AGENT_WATCH  # noqa: PLW0603 - one connection for the process's life, in-process restarts included
+    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg)  # the node's agent reads the pulse from outside
     phases.enter("startup")
     device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
     if cuda:
@@ -107,7 +112,11 @@ def train(cfg: Config) -> RunSummary:
     if cfg.fault_tolerance.inprocess.enabled:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29555")
-        return run_inprocess(cfg, lambda: _train_in_group(cfg, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), phases))
+        summary = run_inprocess(
+            cfg, lambda: _train_in_group(cfg, _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), phases)
+        )
+        _release_agent()
+        return summary
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # a plain single-process run
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -116,9 +125,19 @@ def train(cfg: Config) -> RunSummary:
         backend = "nccl" if cuda else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
     try:
-        return _train_in_group(cfg, rank, world, phases)
+        summary = _train_in_group(cfg, rank, world, phases)
     finally:
         wait_for_writer_warmup()
+    _release_agent()
+    return summary
+
+
+def _release_agent() -> None:
+    """The run trained to its end on this rank: the node's agent may exit once every rank left."""
+    if _AGENT_WATCH is not None:
+        with contextlib.suppress(AgentGone):
+            _AGENT_WATCH.request({"op": "finish"})
+        _AGENT_WATCH.close()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 

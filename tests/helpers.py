@@ -283,3 +283,25 @@ def two_gloo_ranks(scenario: Callable[[int, Path], dict[str, Any]], root: Path) 
     rank's JSON result, in rank order."""
     mp.spawn(_gloo_rank, args=(scenario, str(root), free_port()), nprocs=2, join=True)
     return tuple(json.loads((root / f"result-{r}.json").read_text()) for r in range(2))
+
+
+def agents_serving(marker: Path | str) -> list[int]:
+    """Pids of the checkpoint agents whose spec names ``marker`` (a tier-0 root or a run
+    directory), alive and not zombies."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"pretrain.checkpointing.agent" in cmd and str(marker).encode() in cmd and not process_ended(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def process_ended(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (a child of this test that exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True

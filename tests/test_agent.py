@@ -31,7 +31,19 @@ from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.commands.status import format_status
 from pretrain.errors import AgentGone
 from pretrain.soak.storage import GatedMount
-from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, read_jsonl, tmpfs, torchrun
+from tests.helpers import (
+    FT_CPU,
+    TINY,
+    agents_serving,
+    events,
+    job_env,
+    metrics_by_step,
+    overrides_for,
+    process_ended,
+    read_jsonl,
+    tmpfs,
+    torchrun,
+)
 from tiering.digest import HashSpec
 from tiering.manifest import Manifest
 from tiering.replication import primary_store
@@ -200,7 +212,7 @@ def test_an_agent_killed_mid_copy_publishes_nothing_torn_and_a_new_agent_persist
     steps_dir = primary_store(tmp_path / "ckpt" / RUN, 0, RUN, 2).layout.steps_dir
     wait_for(lambda: steps_dir.is_dir() and any(".tmp-agent-" in p.name for p in steps_dir.iterdir()))
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: _ended(pid))
+    wait_for(lambda: process_ended(pid))
     assert [p for p in steps_dir.iterdir() if ".tmp-" not in p.name] == []  # nothing published
 
     seal(shm_dir, 0, 1, 20, os.urandom(64 * 1024))
@@ -240,27 +252,7 @@ def test_an_idle_agent_exits_once_no_rank_is_connected(shm_dir: Path, tmp_path: 
     pid = link.request({"op": "status", "rank": 0})["pid"]
     link.close()
 
-    wait_for(lambda: _ended(pid), timeout=10)
-
-
-def _agents_of(shm: Path) -> list[int]:
-    """The agents serving tier-0 root ``shm`` (alive, not zombies)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"pretrain.checkpointing.agent" in cmd and str(shm).encode() in cmd and not _ended(int(proc.name)):
-            found.append(int(proc.name))
-    return found
-
-
-def _ended(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a child of this test: a zombie
-    except FileNotFoundError:
-        return True
+    wait_for(lambda: process_ended(pid), timeout=10)
 
 
 # -- end to end ---------------------------------------------------------------------------------------
@@ -300,14 +292,14 @@ def test_tier1_through_the_agent_publishes_every_save_and_resumes_bit_exact_from
         for step in store.committed_steps():
             manifest = verify_step(store.step_path(step), expect_run_id=RUN)
             assert manifest.extra["persisted_by"] == "agent", (rank, step)
-    wait_for(lambda: not _agents_of(shm_dir), timeout=30)
+    wait_for(lambda: not agents_serving(shm_dir), timeout=30)
     assert "newest tier-1 step by rank {'0': 17, '1': 17}" in format_status(job / "runs" / RUN)
     saves = [e for e in events(job / "runs" / RUN) if e["event"] == "save" and e.get("tier") == "local"]
     assert {e["step"] for e in saves} == {5, 10, 15, 17}
     assert steps_dir.is_dir()
     subprocess.run(["rm", "-rf", str(shm_dir)], check=True)  # tier 0 gone: tier 1 must serve
     torchrun(job, 2, overrides_for(job, corpus, **COMMON, **agent))
-    wait_for(lambda: not _agents_of(shm_dir), timeout=30)  # told the final step is persisted: gone
+    wait_for(lambda: not agents_serving(shm_dir), timeout=30)  # told the final step is persisted: gone
     restore = [e for e in events(job / "runs" / RUN) if e["event"] == "restore"][-1]
     assert (restore["tier"], restore["step"]) == ("local", 17), restore
     got, want = metrics_by_step(job / "runs" / RUN), metrics_by_step(base / "runs" / RUN)
@@ -360,13 +352,13 @@ def test_a_stalled_tier1_volume_under_a_plain_ft_launcher_run_holds_the_agent_ne
             opened = (time.time(), _trained_to(run))
             mount.open()
             assert proc.wait(timeout=180) == 0, (job / "job.log").read_text()[-4000:]
-        wait_for(lambda: not _agents_of(shm_dir), timeout=30)
+        wait_for(lambda: not agents_serving(shm_dir), timeout=30)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(10)
         mount.stop()
-        _stop_agent(set(_agents_of(shm_dir)))
+        _stop_agent(set(agents_serving(shm_dir)))
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("kind", "train") == "train"]
     # The fault-free rate: after the stall, with tier 1 saving again (the steps before it are the
     # first few, slowed by start-up).

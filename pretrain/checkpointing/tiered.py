@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable
@@ -14,8 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain.checkpointing.agent.client import AgentLink
-from pretrain.checkpointing.agent.server import AgentSpec
+from pretrain.checkpointing.agent.client import AgentLink, spec_for
 from pretrain.checkpointing.agent_tier import AgentTier
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
@@ -85,16 +83,7 @@ class TieredCheckpointer:
     def _agent_tier(self, memory: MemoryTier, local: PerRankCheckpoints) -> AgentTier:
         """Tier 1 through the node's agent: the rank asks it to persist tier 0's sealed slots."""
         ck = self.cfg.checkpoint
-        spec = AgentSpec(
-            run_id=self.cfg.run.id,
-            memory_root=os.path.abspath(ck.memory.dir),
-            local_root=os.path.abspath(ck.local.dir),
-            slots=ck.memory.slots,
-            keep=ck.local.keep,
-            status_dir=os.path.abspath(run_dir(self.cfg.run.dir, self.cfg.run.id)),
-            idle_exit_s=ck.agent.idle_exit_s,
-            hash_threads=ck.integrity.hash_threads,
-        )
+        spec = spec_for(self.cfg)
         if ck.memory.slots < 3 and self.coll.rank == 0:
             log.warning(
                 "tier 1 through the agent with checkpoint.memory.slots=%d: a snapshot may overwrite the slot the "

@@ -161,6 +161,10 @@ class FaultToleranceConfig:
     # On GPU, seconds a starting rank waits for its GPU's memory to be given back by the rank it
     # replaces (one the kernel still holds, or its forked writer); then it goes on and says so.
     gpu_memory_reclaim_timeout: float = 50.0
+    # Seconds a training rank may go without a sign of life while another rank of its node lives
+    # before the node's agent kills it (a stopped rank, or one deadlocked with its GIL held), so the
+    # launcher restarts the group in seconds; 0: off, NVRx's section timeouts alone find hangs.
+    hang_watch_s: float = 0.0
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -175,6 +179,12 @@ class FaultToleranceConfig:
         self.inprocess.check(fail.within("inprocess"))
         if self.emergency_save_timeout <= 0:
             fail("emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
+        if self.hang_watch_s < 0 or 0 < self.hang_watch_s < 2.0:
+            fail(
+                "hang_watch_s",
+                f"must be 0 (off) or >= 2 s, got {self.hang_watch_s}",
+                "use 0 or at least 2 (ten pulses: a busy node must not read as a hang)",
+            )
         if self.gpu_memory_reclaim_timeout < 0:
             fail("gpu_memory_reclaim_timeout", "must be >= 0", "give the seconds to wait (0: do not wait)")
         try:

@@ -13,6 +13,7 @@ Never: touches tier-1 storage (the agent does), or blocks longer than its timeou
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -22,11 +23,31 @@ from dataclasses import asdict
 from typing import Any
 
 from pretrain.checkpointing.agent.server import AgentSpec
+from pretrain.config import Config
 from pretrain.errors import AgentGone
+from pretrain.observability.runlog import run_dir
 from pretrain.resilience.standby.wire import receive, require_same_user, send
+
+log = logging.getLogger(__name__)
 
 RETRIES = 3  # a reset connection is retried this often, a little later each time
 START_WAIT_S = 10.0  # an agent imports tiering only: it listens within a fraction of a second
+
+
+def spec_for(cfg: Config) -> AgentSpec:
+    """The agent of ``cfg``'s run on this node (absolute paths: it outlives the rank's cwd)."""
+    ck = cfg.checkpoint
+    return AgentSpec(
+        run_id=cfg.run.id,
+        memory_root=os.path.abspath(ck.memory.dir),
+        local_root=os.path.abspath(ck.local.dir),
+        slots=ck.memory.slots,
+        keep=ck.local.keep,
+        status_dir=os.path.abspath(run_dir(cfg.run.dir, cfg.run.id)),
+        idle_exit_s=ck.agent.idle_exit_s,
+        hash_threads=ck.integrity.hash_threads,
+        hang_watch_s=cfg.fault_tolerance.hang_watch_s,
+    )
 
 
 class AgentLink:
@@ -126,3 +147,19 @@ class AgentLink:
                     raise AgentGone(why) from exc
                 time.sleep(0.05)
         raise AgentGone(f"checkpoint agent did not listen within {START_WAIT_S:.0f}s; see {log_path}")
+
+
+def keep_agent_watching(cfg: Config) -> AgentLink | None:
+    """With ``fault_tolerance.hang_watch_s``: make sure the node's agent runs (it watches every
+    rank of the run on the node) and keep a connection open for this process's life, so that the
+    agent stays while a rank lives. None when the watch is off; a failure to start it is one
+    warning (NVRx's timeouts still find hangs), never a failed rank."""
+    if cfg.fault_tolerance.hang_watch_s <= 0:
+        return None
+    link = AgentLink(spec_for(cfg), cfg.checkpoint.agent.timeout_s)
+    try:
+        link.request({"op": "hello"})
+    except AgentGone as exc:
+        log.warning("%s; hangs are found by NVRx's section timeouts alone", exc)
+        return None
+    return link

@@ -1,10 +1,10 @@
 """The checkpoint agent process: one per run per node, beside the ranks, outliving them.
 
 Owns the node's tier-1 work for one run: requests from the ranks (``persist`` a sealed tier-0 slot,
-``status``) arrive on an abstract ``AF_UNIX`` socket named after the user, the run and the tier-0
-root (:func:`address`), so two jobs on one node never share an agent; one worker thread runs the
-:class:`~pretrain.checkpointing.agent.drain.SlotDrain` in request order. The socket loop never
-touches storage, so a rank's status request is answered while the worker is held by a stalled
+``status``) arrive on an abstract ``AF_UNIX`` socket named after the user, the run, its records
+directory and the tier-0 root (:func:`address`), so two jobs on one node never share an agent;
+one worker thread runs the :class:`~pretrain.checkpointing.agent.drain.SlotDrain` in request
+order. The socket loop never touches storage, so a rank's status request is answered while the worker is held by a stalled
 volume. The agent's status (queue, the step in progress and since when, the newest persisted step
 per rank, the last error) is written to ``<run dir>/agents/<host>.json`` after every request it
 finishes, for ``pretrain status`` and the metrics.
@@ -16,6 +16,9 @@ rank has been connected and nothing was queued for ``idle_exit_s``, or at once w
 the run's final step is persisted (``finish``) and the last rank disconnected. A second agent started for the
 same address finds it bound and exits at once. A killed agent leaves at most a temporary step
 directory behind, never a published torn step; the next agent removes it.
+
+With ``hang_watch_s`` the agent also watches the run's ranks on its node from outside them
+(:class:`pretrain.resilience.hang_watch.HangWatch`): a rank's held GIL cannot stop that watch.
 
 Never: imports torch or Megatron (it starts in a fraction of a second), reads a slot other than the
 one a request names, or answers a peer running as another user.
@@ -40,16 +43,18 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpointing.agent.drain import Persist, SlotDrain
+from pretrain.resilience.hang_watch import HangWatch
 from pretrain.resilience.standby.wire import receive, require_same_user, send
 from tiering.fsio import atomic_write_bytes
 
 log = logging.getLogger("pretrain.agent")
 
 
-def address(run_id: str, memory_root: str | Path) -> str:
-    """The abstract socket name of the agent of ``run_id`` whose slots live under ``memory_root``."""
-    key = hashlib.sha256(f"{os.path.realpath(memory_root)}\0{run_id}".encode()).hexdigest()[:20]
-    return f"resilient-pretrain-agent-{os.getuid()}-{key}"
+def address(run_id: str, memory_root: str | Path, run_dir: str | Path) -> str:
+    """The abstract socket name of the agent of ``run_id`` (records in ``run_dir``) whose slots live
+    under ``memory_root``: two runs on a node never share one, even under one run id."""
+    where = f"{os.path.realpath(memory_root)}\0{run_id}\0{os.path.realpath(run_dir)}"
+    return f"resilient-pretrain-agent-{os.getuid()}-{hashlib.sha256(where.encode()).hexdigest()[:20]}"
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,11 @@ class AgentSpec:
     status_dir: str  # the run's records directory: <run dir>/agents/<host>.json
     idle_exit_s: float = 60.0
     hash_threads: int = 2
+    hang_watch_s: float = 0.0  # > 0: watch the run's ranks on this node (status_dir is the run dir)
 
     @property
     def name(self) -> str:
-        return address(self.run_id, self.memory_root)
+        return address(self.run_id, self.memory_root, self.status_dir)
 
 
 class Agent:
@@ -155,6 +161,8 @@ class Agent:
         if op == "finish":  # the run's final step is persisted: exit once no rank is connected
             self.finishing = True
             return {"ok": True}
+        if op == "hello":  # a rank that keeps a connection open: the agent stays while it lives
+            return {"ok": True, "pid": os.getpid()}
         if op == "status":
             rank = int(message["rank"])
             with self.lock:
@@ -233,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     worker = threading.Thread(target=agent.work, name="agent-drain", daemon=True)
     worker.start()
     threading.Thread(target=agent.report, name="agent-status", daemon=True).start()
+    watching = threading.Event()  # set: the hang watch stops
+    if spec.hang_watch_s > 0:
+        watch = HangWatch(Path(spec.status_dir), spec.hang_watch_s)
+        threading.Thread(target=watch.run, args=(watching,), name="agent-hang-watch", daemon=True).start()
     log.info("agent: serving run %s (slots %s, tier 1 %s)", spec.run_id, spec.memory_root, spec.local_root)
     agent._write_status()
     agent.serve()
+    watching.set()
     agent.stopping = True
     listener.close()
     worker.join()  # every accepted request is finished before the agent exits

@@ -1,0 +1,116 @@
+"""A rank that stopped living while its peers go on, found from outside the rank in seconds.
+
+A thread of every rank touches its node-local pulse file every ``PULSE_S``
+(:mod:`pretrain.resilience.phases`). A rank stopped (SIGSTOP), or deadlocked with its GIL held,
+stops pulsing; its peers, blocked in the next collective with the GIL released, go on pulsing. The
+NVRx section timeouts find such a rank only after the step timeout (60 s until steps are measured,
+then 20 x the slowest step). :class:`HangWatch` runs in the node's agent process (outside every
+rank, so a held GIL cannot stop it) and reads the pulses of the run's ranks on its node every
+``interval``: a rank whose pulse is older than ``threshold_s`` while another rank of the run on the
+node pulsed within ``FRESH_S``, whose process is still the one that pulsed and whose phase record
+says ``training``, is SIGKILLed. The launcher then restarts the group at once, and the attempt's
+diagnosis names the rank hung by its pulse gap (:func:`pretrain.resilience.attempts.diagnose`);
+``hang_killed`` in the run's events says who killed it and why.
+
+Never: kills a rank in start-up or recovery (long native calls there may hold the GIL), when no
+other rank of the node pulses (a paused node, or one rank per node: NVRx's timeouts stay the
+judge), or a process other than the one whose pid the pulse file holds. :func:`hung` is the rule,
+pure, tested in one process at its boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from pretrain.observability.runlog import append_jsonl
+from pretrain.platform.procfs import STATE, stat_fields
+from pretrain.resilience.phases import PULSE_ROOT, pulse_path, ranks_dir
+
+log = logging.getLogger(__name__)
+
+FRESH_S = 1.0  # another rank pulsed this recently: the node and its peers are alive
+
+
+def hung(pulses: dict[int, float], now: float, threshold_s: float) -> list[int]:
+    """The ranks whose last pulse (``pulses``: rank -> its time) is older than ``threshold_s``
+    while another rank pulsed within ``FRESH_S``; none when no rank is fresh."""
+    if not any(now - t <= FRESH_S for t in pulses.values()):
+        return []
+    return sorted(r for r, t in pulses.items() if now - t > threshold_s)
+
+
+class HangWatch:
+    """Reads the pulses of the run at ``run_dir`` on this node; kills the ranks :func:`hung` names."""
+
+    def __init__(
+        self, run_dir: Path, threshold_s: float, interval_s: float = 0.25, pulse_root: Path = PULSE_ROOT
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.threshold_s = threshold_s
+        self.interval_s = interval_s
+        self.folder = pulse_path(self.run_dir, 0, pulse_root).parent
+        self.killed: list[tuple[int, int]] = []  # (rank, pid) of every rank this watch killed
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
+            try:
+                self.scan()
+            except OSError as exc:  # a vanishing file between listing and reading: look again
+                log.debug("hang watch: %s", exc)
+
+    def scan(self, now: float | None = None) -> list[int]:
+        """One look: kill every hung rank in training; returns the ranks killed."""
+        pids, pulses = self._pulses()
+        now = time.time() if now is None else now
+        killed = []
+        for rank in hung(pulses, now, self.threshold_s):
+            pid = pids[rank]
+            if (rank, pid) in self.killed or not _running(pid) or self._phase(rank, pid) != "training":
+                continue
+            os.kill(pid, signal.SIGKILL)
+            self.killed.append((rank, pid))
+            killed.append(rank)
+            stale = now - pulses[rank]
+            log.warning("hang watch: rank %d (pid %d) silent for %.1fs while its peers pulse: killed", rank, pid, stale)
+            append_jsonl(
+                self.run_dir / "events.jsonl",
+                {"event": "hang_killed", "rank": rank, "pid": pid, "stale_s": round(stale, 2), "time": now},
+            )
+        return killed
+
+    def _pulses(self) -> tuple[dict[int, int], dict[int, float]]:
+        """Every pulse file of the run on this node: rank -> pid, rank -> last pulse time."""
+        pids: dict[int, int] = {}
+        times: dict[int, float] = {}
+        for path in self.folder.glob("rank-*.pulse") if self.folder.is_dir() else []:
+            try:
+                rank = int(path.stem.removeprefix("rank-"))
+                pid = int(path.read_text() or -1)
+                mtime = path.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            if pid > 0 and _running(pid):  # a rank that ended is the launcher's business
+                pids[rank], times[rank] = pid, mtime
+        return pids, times
+
+    def _phase(self, rank: int, pid: int) -> str | None:
+        """The phase the rank's record names, when the record is that process's."""
+        try:
+            record = json.loads((ranks_dir(self.run_dir) / f"rank-{rank:05d}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return record.get("phase") if record.get("pid") == pid else None
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return stat_fields(Path(f"/proc/{pid}/stat"))[STATE] != "Z"
+    except (OSError, IndexError):
+        return False
