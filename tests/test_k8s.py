@@ -963,9 +963,12 @@ def test_a_finished_statefulset_pod_idles_instead_of_restarting(entry: EntryRun)
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(timeout=1.5)
         assert len(entry.launches()) == 1
+        proc.send_signal(signal.SIGTERM)  # deleting the idle pod: it goes at once, its sleep too
+        out, _ = proc.communicate(timeout=10)
+        assert proc.returncode == 0, out
     finally:
         proc.kill()
-        proc.communicate()
+        proc.communicate(timeout=10)
 
 
 @pytest.mark.parametrize("code", [1, 2, 3])

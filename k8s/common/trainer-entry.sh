@@ -41,7 +41,13 @@ config_hash=$(sha256sum "$CONFIG" | cut -d' ' -f1) || exit 2
 finished() {
     echo "trainer-entry: run $RUN_ID finished under this config ($done_file); delete it or change the config to train on"
     if [ "${IDLE_WHEN_DONE:-0}" = 1 ]; then
-        exec sleep infinity
+        sleeper=
+        trap 'kill $sleeper 2>/dev/null; exit 0' TERM INT  # a deleted idle pod goes at once
+        while :; do
+            sleep 3600 &
+            sleeper=$!
+            wait $sleeper
+        done
     fi
     exit 0
 }
@@ -60,7 +66,8 @@ while kill -0 "$child" 2>/dev/null; do  # the trap interrupted wait: wait for th
     wait "$child" || status=$?
 done
 if [ "$status" -eq 0 ] && [ "$stopping" = 0 ]; then
-    mkdir -p "$RUN_DIR/$RUN_ID" && printf '%s\n' "$config_hash" > "$done_file.tmp" && mv "$done_file.tmp" "$done_file"
+    tmp="$done_file.tmp.$(hostname)"  # every pod of the job writes it; each through its own file
+    mkdir -p "$RUN_DIR/$RUN_ID" && printf '%s\n' "$config_hash" > "$tmp" && mv "$tmp" "$done_file"
     finished
 fi
 exit "$status"
