@@ -4,18 +4,19 @@ Owns the node's tier-1 work for one run: requests from the ranks (``persist`` a 
 ``status``) arrive on an abstract ``AF_UNIX`` socket named after the user, the run, its records
 directory and the tier-0 root (:func:`address`), so two jobs on one node never share an agent;
 one worker thread runs the :class:`~pretrain.checkpointing.agent.drain.SlotDrain` in request
-order. The socket loop never touches storage, so a rank's status request is answered while the worker is held by a stalled
-volume. The agent's status (queue, the step in progress and since when, the newest persisted step
-per rank, the last error) is written to ``<run dir>/agents/<host>.json`` after every request it
-finishes, for ``pretrain status`` and the metrics.
+order. The socket loop never touches storage, so a rank's status request is answered while the
+worker is held by a stalled volume. The agent's status (queue, the step in progress and since
+when, the newest persisted step per rank, the last error) is written to
+``<run dir>/agents/<host>.json`` every 2 s and after every request it finishes, for
+``pretrain status``.
 
 Lifetime: started by the first rank of the node that finds none (:mod:`.client`), in its own
 session so that a rank's death or its process group's signal never reaches it. It finishes every
 request it accepted (a rank that dies mid-save loses nothing the agent holds), and exits once no
 rank has been connected and nothing was queued for ``idle_exit_s``, or at once when a rank said
-the run's final step is persisted (``finish``) and the last rank disconnected. A second agent started for the
-same address finds it bound and exits at once. A killed agent leaves at most a temporary step
-directory behind, never a published torn step; the next agent removes it.
+the run trained to its end (``finish``) and the last rank disconnected. A second agent started
+for the same address finds it bound and exits at once. A killed agent leaves at most a temporary
+step directory behind, never a published torn step; the next agent removes it.
 
 With ``hang_watch_s`` the agent also watches the run's ranks on its node from outside them
 (:class:`pretrain.resilience.hang_watch.HangWatch`): a rank's held GIL cannot stop that watch.
