@@ -170,7 +170,7 @@ def test_the_node_is_read_from_the_api_server_with_the_pods_token(api_server: st
     out = pretrain(*argv, "--output", str(topology))
     assert out.returncode == 2 and not topology.exists()
     (line,) = out.stderr.strip().splitlines()
-    assert "HTTP 403" in line and "k8s/common/rbac.yaml" in line
+    assert "HTTP 403" in line and "k8s/cluster/rbac.yaml" in line
 
 
 def test_a_node_other_than_0_waits_rdzv_store_timeout_for_node_0s_store(tmp_path: Path) -> None:

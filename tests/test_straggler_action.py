@@ -212,7 +212,7 @@ def test_launch_on_an_excluded_node_taints_it_deletes_its_pod_and_refuses(tmp_pa
     with pytest.raises(NodeExcluded) as err:
         _launch(tmp_path, k8s_env(tmp_path), api)
     assert (
-        "not done: GET" in str(err.value) and "HTTP 403" in str(err.value) and "k8s/common/rbac.yaml" in str(err.value)
+        "not done: GET" in str(err.value) and "HTTP 403" in str(err.value) and "k8s/cluster/rbac.yaml" in str(err.value)
     )
 
 

@@ -2,7 +2,7 @@
 
 Owns one step of a Kubernetes trainer pod's start: the init container ``node-domain``
 (k8s/base/statefulset.yaml, k8s/jobset/jobset.yaml) asks the API server for its Node (RBAC: ``get
-nodes``, k8s/common/rbac.yaml) and writes ``<node> <domain>`` into the topology file that
+nodes``, k8s/cluster/rbac.yaml) and writes ``<node> <domain>`` into the topology file that
 ``pretrain launch`` reads (``TOPOLOGY_FILE``; see pretrain/commands/launch.py). Pods do not carry
 their node's labels, so the downward API cannot give this.
 
@@ -95,7 +95,8 @@ class ApiServer:
         except urllib.error.HTTPError as exc:
             fix = {
                 401: "the ServiceAccount token was rejected; check the pod's serviceAccountName",
-                403: "bind the pod's ServiceAccount to a role allowing it (k8s/common/rbac.yaml)",
+                403: "bind the pod's ServiceAccount to a role allowing it "
+                "(k8s/cluster/rbac.yaml: nodes; k8s/common/rbac.yaml: pods)",
                 404: "NODE_NAME must come from the downward API fieldRef spec.nodeName",
             }.get(exc.code, "check the API server")
             raise ApiRefused(f"{method} {url}: HTTP {exc.code} {exc.reason}; fix: {fix}", exc.code) from exc

@@ -10,7 +10,7 @@ container that merely exits is restarted in the same pod on the same node, so :f
    there, and
 2. deletes its own pod, so its StatefulSet or JobSet creates it again on another node.
 
-RBAC (k8s/common/rbac.yaml): ``get``/``patch`` on nodes and ``delete`` on pods for the trainer's
+RBAC (k8s/cluster/rbac.yaml: ``get``/``patch`` on nodes; k8s/common/rbac.yaml: ``delete`` on pods) for the trainer's
 ServiceAccount. Where the account may not, the refusal line says which step was refused and the
 fix; nothing else is attempted. It never lists nodes or pods and never removes a taint: a person
 does, once the node is repaired (``kubectl taint node NODE resilient-pretrain/excluded-``).
