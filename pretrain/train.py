@@ -128,6 +128,8 @@ def train(cfg: Config) -> RunSummary:
         summary = _train_in_group(cfg, rank, world, phases)
     finally:
         wait_for_writer_warmup()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
     _release_agent()
     return summary
 
@@ -138,8 +140,6 @@ def _release_agent() -> None:
         with contextlib.suppress(AgentGone):
             _AGENT_WATCH.request({"op": "finish"})
         _AGENT_WATCH.close()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _train_in_group(cfg: Config, rank: int, world: int, phases: PhaseRecord | None = None) -> RunSummary:
