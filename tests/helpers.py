@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -14,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pretrain.resilience.standby.beside import with_standby
+from pretrain.resilience.standby.wire import ENV as STANDBY_ENV
 from pretrain.resilience.standby.wire import SHARED_ENV
 from tests.shared_standby import address as shared_standby_address
 from tiering.layout import RunLayout
@@ -268,20 +268,47 @@ def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def _gloo_rank(rank: int, scenario: Callable[[int, Path], dict[str, Any]], root: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def two_gloo_ranks(
+    scenario: Callable[[int, Path], dict[str, Any]], root: Path, timeout: int = 240
+) -> tuple[dict[str, Any], ...]:
+    """``scenario(rank, root)`` in two gloo ranks (a picklable, module-level callable); each rank's
+    JSON result, in rank order. The ranks are ``python -m tests.gloo_rank`` processes forked from the
+    worker's shared standby process (no torch import each); one that fails fails the call, with
+    both ranks' output, and the other is killed."""
+    root.mkdir(parents=True, exist_ok=True)
+    scenario_file = root / "scenario.pickle"
+    scenario_file.write_bytes(pickle.dumps(scenario))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    shared = shared_standby_address()
+    if shared is not None:
+        env[STANDBY_ENV] = shared
+    port = str(free_port())
+    cmd = [PYTHON, "-m", "tests.gloo_rank"]
+    ranks = [
+        subprocess.Popen(
+            [*cmd, str(rank), str(scenario_file), str(root), port],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     try:
-        result = scenario(rank, Path(root))
-        (Path(root) / f"result-{rank}.json").write_text(json.dumps(result))
+        outs = [proc.communicate(timeout=timeout)[0] for proc in ranks]
     finally:
-        dist.destroy_process_group()
-
-
-def two_gloo_ranks(scenario: Callable[[int, Path], dict[str, Any]], root: Path) -> tuple[dict[str, Any], ...]:
-    """``scenario(rank, root)`` in two spawned gloo ranks (a picklable, module-level callable); each
-    rank's JSON result, in rank order."""
-    mp.spawn(_gloo_rank, args=(scenario, str(root), free_port()), nprocs=2, join=True)
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(proc.returncode != 0 for proc in ranks):
+        report = "\n".join(
+            f"rank {r} exited {p.returncode}:\n{out[-3000:]}"
+            for r, (p, out) in enumerate(zip(ranks, outs, strict=True))
+        )
+        raise AssertionError(f"two_gloo_ranks: {report}")
     return tuple(json.loads((root / f"result-{r}.json").read_text()) for r in range(2))
 
 

@@ -7,40 +7,31 @@ The end-to-end case, two network-namespace nodes under ft_launcher, is in test_c
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pretrain.checkpointing.shared_storage import PROBE_PREFIX, check_shared
 from tests.cluster.job import metric_rows, node_local_mount, start_node, wait_exit
 from tests.cluster.netns import Cluster, unavailable
-from tests.helpers import free_port, overrides_for
+from tests.helpers import overrides_for, two_gloo_ranks
 from tiering.collective import TorchCollective
 
 
-def _rank(rank: int, roots: list[str], out: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=len(roots))
+def _check(roots: list[str], rank: int, _out: Path) -> dict:
+    """One rank's check of its directory: what it raised, if anything, is the result under test."""
     try:
         check_shared(Path(roots[rank]), "attempt-07", TorchCollective(), f"node-{rank}", wait_s=1.0)
-        result = {"ok": True}
     except Exception as exc:  # what each rank raised is the result under test
-        result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank-{rank}.json").write_text(json.dumps(result))
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    return {"ok": True}
 
 
 def _run(tmp: Path, roots: list[Path]) -> list[dict]:
-    out = tmp / "results"
-    out.mkdir()
-    mp.spawn(_rank, args=([str(r) for r in roots], str(out), free_port()), nprocs=len(roots), join=True)
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(len(roots))]
+    return list(two_gloo_ranks(functools.partial(_check, [str(r) for r in roots]), tmp / "results"))
 
 
 def test_ranks_that_share_the_directory_pass_and_the_probe_is_removed(tmp_path: Path) -> None:
