@@ -93,6 +93,10 @@ def test_the_stall_deadline_is_the_configured_value_or_ten_times_the_slowest_sav
         (TierStalled("tier 1 save of step 30 skipped: ..."), "stalled"),
         (PublishError("psutil is not installed"), "error"),  # 'installed' is no stall
         (PublishError("No space left on device: stalled?"), "disk_full"),
+        (
+            PublishError("step 10 is not complete in tier 1: rank 0: checkpoint agent a: no answer (TimeoutError)"),
+            "agent_gone",
+        ),
     ],
 )
 def test_a_stall_has_its_own_failure_reason(error: Exception, reason: str) -> None:

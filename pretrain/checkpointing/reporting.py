@@ -17,6 +17,8 @@ from pretrain.observability.runlog import RunLog
 from pretrain.resilience.attempts import AttemptLog
 from tiering.errors import DiskFull
 
+AGENT_GONE_MARK = "checkpoint agent"  # how pretrain.checkpointing.agent.client's AgentGone lines start
+
 log = logging.getLogger("pretrain")
 
 # How a failed save's cause shows in its one line once it crossed ranks as text (a writer's
@@ -25,13 +27,15 @@ _DISK_FULL = ("disk full", "no space left on device", "disk quota exceeded")
 
 
 def failure_reason(exc: BaseException) -> str:
-    """``disk_full``, ``stalled``, ``timeout`` or ``error``: the ``reason`` of
+    """``disk_full``, ``stalled``, ``agent_gone``, ``timeout`` or ``error``: the ``reason`` of
     ``checkpoint_save_failures_total``."""
     text = str(exc).lower()
     if isinstance(exc, DiskFull) or any(marker in text for marker in _DISK_FULL):
         return DISK_FULL
     if isinstance(exc, TierStalled) or re.search(rf"\b{STALLED}\b", text):
         return STALLED
+    if AGENT_GONE_MARK in text:  # the node's checkpoint agent did not answer (training goes on with tier 0)
+        return "agent_gone"
     if "timed out" in text or "deadline" in text:
         return "timeout"
     return "error"
