@@ -14,6 +14,37 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.09-py3
 FROM ${BASE_IMAGE}
 
+# EFA (AWS P4/P5): NCCL reaches EFA only through the aws-ofi-nccl net plugin and the EFA libfabric;
+# without them it falls back to TCP sockets with no error (the EKS env sets NCCL_NET=OFI, so a
+# plugin that does not load fails at communicator init instead). The layout of AWS's
+# awsome-distributed-training Megatron image: the base's IB verbs packages out (the EFA installer
+# brings its own rdma-core; the HPC-X copy shadowing it breaks the plugin's load), the EFA
+# userspace without kernel module, aws-ofi-nccl built against it and the base's CUDA, both on the
+# loader path (NCCL_NET_PLUGIN=ofi in the deployments makes NCCL load libnccl-net-ofi.so by name).
+# Versions pinned together; the build fails if the plugin is missing or cannot resolve a library.
+ARG EFA_INSTALLER_VERSION=1.42.0
+ARG AWS_OFI_NCCL_VERSION=1.16.0
+ENV LD_LIBRARY_PATH=/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:${LD_LIBRARY_PATH} \
+    PATH=/opt/amazon/efa/bin:${PATH}
+RUN apt-get update \
+ && apt-get remove -y --allow-change-held-packages ibverbs-utils libibverbs-dev libibverbs1 libmlx5-1 \
+ && apt-get install -y --no-install-recommends curl ca-certificates libhwloc-dev autoconf automake libtool make \
+ && cd /tmp \
+ && curl -fsSLO "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+ && tar -xf "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+ && (cd aws-efa-installer && ./efa_installer.sh -y -g -d --skip-kmod --skip-limit-conf --no-verify) \
+ && curl -fsSLO "https://github.com/aws/aws-ofi-nccl/releases/download/v${AWS_OFI_NCCL_VERSION}/aws-ofi-nccl-${AWS_OFI_NCCL_VERSION}.tar.gz" \
+ && tar -xf "aws-ofi-nccl-${AWS_OFI_NCCL_VERSION}.tar.gz" \
+ && (cd "aws-ofi-nccl-${AWS_OFI_NCCL_VERSION}" \
+     && ./configure --prefix=/opt/amazon/ofi-nccl --with-libfabric=/opt/amazon/efa --with-cuda=/usr/local/cuda --enable-platform-aws \
+     && make -j"$(nproc)" && make install) \
+ && rm -rf /tmp/aws-efa-installer* /tmp/aws-ofi-nccl-* /var/lib/apt/lists/* \
+ && ldconfig \
+ && plugin=/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so \
+ && test -f "$plugin" \
+ && ! ldd "$plugin" | grep "not found" \
+ && fi_info --version
+
 ARG GIT_COMMIT=unknown
 # The versions the GPU check (scripts/gpu-check.sh) runs against; the base's torch and Transformer
 # Engine are kept (constraints below), so the [gpu] extra is satisfied by what the base ships.

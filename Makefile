@@ -36,12 +36,16 @@ lint: venv
 # (tests/leftover_guard.py); `TEST_WORKERS=1` runs everything in turn.
 TEST_WORKERS ?= 2
 PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30
+# pytest's wall time with the machine it ran on (CPU count, load average at the end), pytest's exit code kept.
+TIMED = start=$$(date +%s); $(PYTEST) $(1); rc=$$?; \
+	echo "$(2): pytest took $$(( $$(date +%s) - start )) s on $$(nproc) CPUs, load average $$(cut -d' ' -f1-3 /proc/loadavg)"; \
+	exit $$rc
 
 test: venv sysdeps lint
-	$(PYTEST) tests
+	@$(call TIMED,tests,make test)
 
 test-fast: venv
-	$(PYTEST) tests -m "not slow"
+	@$(call TIMED,tests -m "not slow",make test-fast)
 
 format: venv
 	$(BIN)/ruff format .

@@ -10,7 +10,9 @@ Cases, each a 2-rank ``pretrain train`` job saving every ``SAVE_EVERY`` steps:
 
 * ``tier1-thread`` and ``tier1-fork``: the tier-1 background save (``checkpoint.async.mode``);
 * ``tier0``: the tier-0 slot write into a tmpfs (its writer is always a thread: there is no fork
-  mode), tier 1 saving only the final step.
+  mode), tier 1 saving only the final step;
+* ``tier1-agent``: tier 1 through the node's checkpoint agent (tier 0 snapshots the steps tier 1
+  is due for, the agent process persists them): the cost is read off the tier-1 saves.
 
 The cases run ``repeats`` times in rotating order, so that drifting machine load hits each alike;
 every figure is the median over repeats with the spread (min-max) of the per-job medians.
@@ -48,7 +50,18 @@ CASES: dict[str, list[str]] = {
         "checkpoint.local.interval=100000",
     ],
 }
-TIER_OF_CASE = {"tier1-thread": "local", "tier1-fork": "local", "tier0": "memory"}
+# Tier 1 through the node's checkpoint agent: tier 0 snapshots the steps tier 1 is due for and the
+# agent persists them; what training pays is tier 0's snapshot plus the agent's competition for
+# the cores (its cost is read off the tier-1 saves, whose steps hold both).
+CASES["tier1-agent"] = [
+    "checkpoint.memory.enabled=true",
+    f"checkpoint.memory.interval={SAVE_EVERY}",
+    "checkpoint.memory.slots=3",
+    "checkpoint.agent.enabled=true",
+    f"checkpoint.local.interval={SAVE_EVERY}",
+]
+TIER_OF_CASE = {"tier1-thread": "local", "tier1-fork": "local", "tier0": "memory", "tier1-agent": "local"}
+TIER0_CASES = ("tier0", "tier1-agent")  # the cases that need tmpfs for their slots
 
 # One 2-rank training job: (job directory, name, --set settings) -> its events, the metrics rows
 # last as {"event": "metrics", "rows": [...], "ckpt": dir}.
@@ -146,8 +159,9 @@ def measure_save_cost(
     skipped: dict[str, str] = {}
     fits, why = tmpfs_fits(mb)
     if not fits:
-        skipped["tier0"] = why
-        del cases["tier0"]
+        for name in TIER0_CASES:
+            skipped[name] = why
+            del cases[name]
     names = list(cases)
     per_job: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     shm = Path(tempfile.mkdtemp(prefix="rp-bench-tier0-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -156,7 +170,7 @@ def measure_save_cost(
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 settings = [*model, f"train.steps={steps}", "checkpoint.local.keep=1", *cases[name]]
-                if name == "tier0":
+                if name in TIER0_CASES:
                     settings.append(f"checkpoint.memory.dir={shm / str(rep)}")
                 events = train(work, f"{name}-{rep}", settings)
                 cost = job_save_cost(events, TIER_OF_CASE[name], steps)
@@ -176,4 +190,18 @@ def measure_save_cost(
         "cases": summary,
         "skipped": skipped,
         "default_mode": default_mode(summary),
+        "agent_over_in_process": agent_ratio(per_job),
     }
+
+
+def agent_ratio(per_job: dict[str, list[dict[str, float]]]) -> dict[str, Any] | None:
+    """Step excess per save through the agent / in the rank (the better tier-1 writer mode), per
+    repeat (the cases of one repeat ran back to back), with its median and spread."""
+    agent = per_job.get("tier1-agent", [])
+    modes = [per_job.get(m, []) for m in ("tier1-thread", "tier1-fork")]
+    ratios = []
+    for i, a in enumerate(agent):
+        own = [m[i]["step_excess_s"] for m in modes if i < len(m)]
+        if own and min(own) > 0:
+            ratios.append(a["step_excess_s"] / min(own))
+    return _spread(ratios) if ratios else None

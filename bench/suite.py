@@ -395,6 +395,10 @@ def save_cost_table(results: dict[str, Any]) -> str:
             )
         for name, why in cost["skipped"].items():
             lines.append(f"| {b['size_mb']} MB | {name} | skipped: {why} | | | | |")
+        ratio = cost.get("agent_over_in_process")
+        if ratio:
+            what = "step excess through the agent / in the rank"
+            lines.append(f"| {b['size_mb']} MB | {what} | {cell(ratio, 'x')} | | | | |")
         best = cost["default_mode"]
         said = (
             f"tier-1 mode with the smaller cost: {best['mode']}"

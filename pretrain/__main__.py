@@ -7,7 +7,7 @@ if __name__ == "__main__":
     code = forward("pretrain")
     if code is None:
         # Deferred: torch and Megatron take seconds to import, and a forwarded rank never needs them here.
-        from pretrain.cli import main
+        from pretrain.cli import run
 
-        code = main()
+        code = run()
     sys.exit(code)

@@ -13,6 +13,7 @@ from pretrain.checkpointing.tiering_config import run_gc, run_upload
 from pretrain.commands.plan_command import add_plan_arguments
 from pretrain.config import load_config
 from pretrain.errors import ConfigError, DataError
+from pretrain.resilience.standby.client import forward
 from tiering.cli import configure_logging
 from tiering.errors import LeaseError
 
@@ -159,8 +160,11 @@ def _soak(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from pretrain.commands.launch import excluded_nodes, launch
-    from pretrain.errors import JobStopped, LaunchError, NodeExcluded
+    from pretrain.errors import STOP_EXIT_CODE, JobStopped, LaunchError, NodeExcluded, NodeLaunchError
 
+    # Exit codes (docs/runbook.md "Exit codes of pretrain launch"): STOP_EXIT_CODE (2) for what
+    # fails the same on every node (a stopped run, a config or deployment error): never restart;
+    # NodeLaunchError.EXIT_CODE (3) for what is wrong with this node only: restart elsewhere.
     try:
         if args.excluded_nodes:
             print(excluded_nodes(args.config, args.set or []))
@@ -169,25 +173,33 @@ def _launch(args: argparse.Namespace) -> int:
     except NodeExcluded as exc:
         print(f"launch refused: {exc}", file=sys.stderr)
         return NodeExcluded.EXIT_CODE
+    except NodeLaunchError as exc:
+        print(f"launch error on this node: {exc}", file=sys.stderr)
+        return NodeLaunchError.EXIT_CODE
     except LaunchError as exc:
         print(f"launch error: {exc}", file=sys.stderr)
-        return 2
+        return STOP_EXIT_CODE
     except JobStopped as exc:
         print(f"launch refused: {exc.message}", file=sys.stderr)
         return int(exc.code)
 
 
 def _node_domain(args: argparse.Namespace) -> int:
-    from pretrain.commands.node_domain import ApiServer, labels_from, node_domain
-    from pretrain.errors import LaunchError
+    from pretrain.commands.node_domain import HOSTNAME_LABEL, ApiServer, labels_from, node_domain
+    from pretrain.errors import STOP_EXIT_CODE, LaunchError, NodeLaunchError
 
     labels = labels_from(args.label, os.environ)
     api = ApiServer(args.api_server, Path(args.token_file), None) if args.api_server else None
     try:
         label, domain = node_domain(args.node, labels, Path(args.output), node_json=args.node_json, api=api)
+    except NodeLaunchError as exc:  # this node cannot reach the API server: restart elsewhere
+        print(f"node-domain error on this node: {exc}", file=sys.stderr)
+        return NodeLaunchError.EXIT_CODE
     except LaunchError as exc:
         print(f"node-domain error: {exc}", file=sys.stderr)
-        return 2
+        return STOP_EXIT_CODE
+    if label == HOSTNAME_LABEL and HOSTNAME_LABEL not in labels:
+        print(f"node {args.node}: none of the labels {', '.join(labels)}; failure domain falls back to the node")
     print(f"node {args.node}: failure domain {domain} (label {label}) -> {args.output}")
     return 0
 
@@ -248,8 +260,8 @@ def _add_node_domain_command(sub: argparse._SubParsersAction) -> None:
     nd.add_argument(
         "--label",
         action="append",
-        help="node label naming the domain, first present wins (repeatable; default: FAILURE_DOMAIN_LABEL, "
-        "else topology.k8s.aws/network-node-layer-3)",
+        help="node label naming the domain, preferred first; the trainer falls back through them to the node "
+        "(repeatable; default: FAILURE_DOMAIN_LABEL, else topology.k8s.aws/network-node-layer-3,-layer-2)",
     )
     nd.add_argument("--output", required=True, help="the topology file pretrain launch reads (TOPOLOGY_FILE)")
     nd.add_argument("--node-json", type=Path, default=None, help="a recorded `kubectl get node -o json` instead")
@@ -405,6 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``pretrain`` console script: under a launcher with a standby server beside it, the rank
+    is forked there (already imported), as ``python -m pretrain`` does; otherwise it runs here.
+    ``argv`` given (a caller in this process, not a command line): always here."""
+    if argv is None:
+        code = forward("pretrain")  # the fork runs ``python -m pretrain`` with this process's argv
+        if code is not None:
+            return code
+    return run(argv)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The command ``argv`` (default: this process's command line) in this process."""
     # torch warns about a deprecated pynvml on every import: noise for CLI users.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from tiering.errors import CheckpointError
 
-STOP_EXIT_CODE = 2  # also the JobSet podFailurePolicy's "do not restart" code
-EXCLUDED_EXIT_CODE = 3  # a node was left out (straggler): restart the job without it
+STOP_EXIT_CODE = 2  # run-level: a stopped run or a config error; the JobSet's "do not restart" code
+EXCLUDED_EXIT_CODE = 3  # node-local: a node left out (straggler) or unfit to launch on; run elsewhere
 
 
 class PretrainError(Exception):
@@ -70,10 +70,16 @@ class StragglerExcluded(SystemExit):
         self.message = f"straggler excluded: node {node} at step {step} (written to {path})"
 
 
-class NodeExcluded(LaunchError):
-    """``pretrain launch`` on a node the run's excluded-nodes file names (one line with the fix)."""
+class NodeLaunchError(LaunchError):
+    """A launch error of this node only (its NVMe missing or not writable, its topology file
+    unreadable, no ``ft_launcher`` here): ``pretrain launch`` exits :data:`EXCLUDED_EXIT_CODE`, so
+    the scheduler starts the job elsewhere instead of stopping the run."""
 
     EXIT_CODE = EXCLUDED_EXIT_CODE
+
+
+class NodeExcluded(NodeLaunchError):
+    """``pretrain launch`` on a node the run's excluded-nodes file names (one line with the fix)."""
 
 
 class IncompatibleCheckpoint(PretrainError, CheckpointError):
@@ -83,3 +89,8 @@ class IncompatibleCheckpoint(PretrainError, CheckpointError):
 class FreshStartRefused(PretrainError, CheckpointError):
     """Committed steps of the run exist but none can be obtained by every rank: starting from step 0
     would silently throw the run away. One line: where the copies are, why they are unusable, the fix."""
+
+
+class AgentGone(PretrainError):
+    """The node's checkpoint agent did not answer in time, or refused a request (one line: why).
+    Training goes on with tier 0 alone; the next tier-1 save starts a new agent."""

@@ -7,6 +7,7 @@ import pytest
 
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
+from tests.helpers import overrides_for, torchrun
 from tests.leftovers import session_env
 
 pytest_plugins = ["tests.leftover_guard"]
@@ -18,6 +19,22 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prefix = tmp_path_factory.mktemp("data") / "corpus"
     build_indexed_dataset(synthetic_documents(1.0, seed=0), prefix)
     return prefix
+
+
+# The uninterrupted 2-rank run of the tiny config to step 40 (its cosine decay over those 40 steps)
+# that the 40-step fault tests compare their losses and grad norms with, step by step. Where and how
+# often a run checkpoints does not change what a step computes (those tests save at intervals of
+# 5, 10 and 20 and each compares with this run bit for bit), so one run per pytest worker serves them
+# all instead of one baseline job per test.
+REFERENCE_40 = {"train.steps": 40, "checkpoint.local.interval": 10, "checkpoint.reshardable.interval": 20}
+
+
+@pytest.fixture(scope="session")
+def reference_40(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """The run directory of the shared 40-step reference run (``REFERENCE_40``), run on first use."""
+    base = tmp_path_factory.mktemp("reference-40")
+    torchrun(base, 2, overrides_for(base, corpus, **REFERENCE_40))
+    return base / "runs" / "t"
 
 
 @pytest.fixture(scope="session")

@@ -97,9 +97,15 @@ def ft_launch(
     return run(cmd, tmp, timeout, check)
 
 
-def run(cmd: list[str], tmp: Path, timeout: int, check: bool) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], tmp: Path, timeout: int, check: bool, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``cmd`` in ``tmp`` with ``job_env``'s environment (``pythonpath`` put first on PYTHONPATH)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(tmp), cwd=tmp)
+    env = job_env(tmp)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
     (tmp / "job.log").write_text(proc.stdout + proc.stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"job failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-6000:]}")
@@ -222,9 +228,10 @@ def two_node_launch(
 
 
 def probe_restore(tmp: Path, nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    """Restore the newest step into the topology of ``overrides`` and re-save it (tests/probe_restore.py)."""
-    cmd = [*torchrun_prefix(nproc, standby=False), str(REPO / "tests" / "probe_restore.py"), str(TINY), *overrides]
-    return run(cmd, tmp, timeout=timeout, check=True)
+    """Restore the newest step into the topology of ``overrides`` and re-save it (tests/probe_restore.py),
+    its ranks forked from the standby process as a job's are (``tests`` importable from the repo)."""
+    cmd = [*torchrun_prefix(nproc), "-m", "tests.probe_restore", str(TINY), *overrides]
+    return run(cmd, tmp, timeout, check=True, pythonpath=REPO)
 
 
 def flip_byte(path: Path) -> None:

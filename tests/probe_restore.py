@@ -1,7 +1,10 @@
-"""Rank program for the reshard test: restore the newest step into the current topology and
+"""Rank program for the reshard tests: restore the newest step into the current topology and
 re-save it, unchanged, to ``checkpoint.local.dir`` + ``-resaved``.
 
-Run it under torchrun with the same ``--set`` overrides as the training job.
+Run it as ``python -m tests.probe_restore CONFIG KEY=VALUE...`` under a launcher, with the same
+``--set`` overrides as the training job (``tests/helpers.py``'s ``probe_restore``). With a standby
+server beside the launcher it is forwarded there, as ``python -m pretrain`` is: the rank is a fork
+of a process that imported torch and Megatron once, not a start that imports them again.
 """
 
 from __future__ import annotations
@@ -9,16 +12,20 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
-
-from pretrain.checkpointing.reshardable import ReshardableCheckpoints
-from pretrain.config import load_config
-from pretrain.platform import cpu_shims
-from pretrain.session import build_session
-from tiering.collective import TorchCollective
+from pretrain.resilience.standby.client import forward
 
 
 def main() -> int:
+    # Deferred: torch and Megatron take seconds to import, and a forwarded client never needs them
+    # (in the server's fork they are imported already).
+    import torch.distributed as dist
+
+    from pretrain.checkpointing.reshardable import ReshardableCheckpoints
+    from pretrain.config import load_config
+    from pretrain.platform import cpu_shims
+    from pretrain.session import build_session
+    from tiering.collective import TorchCollective
+
     overrides = [arg for arg in sys.argv[2:]]
     cfg = load_config(sys.argv[1], overrides)
     cpu_shims.install()
@@ -37,4 +44,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    sys.exit(main())
+    code = forward("tests.probe_restore")
+    sys.exit(main() if code is None else code)

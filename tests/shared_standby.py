@@ -16,12 +16,15 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+from pathlib import Path
 
 import psutil
 
 from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.beside import start_server
 from tests import leftovers
+
+REPO = Path(__file__).resolve().parents[1]
 
 _server: subprocess.Popen[bytes] | None = None
 _address: str | None = None
@@ -33,6 +36,9 @@ def address() -> str | None:
     if _server is not None and _server.poll() is None:
         return _address
     env = leftovers.session_env()  # it outlives the test
+    # Rank programs of the tests themselves (``python -m tests.probe_restore``) run in its forks too,
+    # wherever pytest was started from.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     fd, _ = tempfile.mkstemp(prefix="rp-standby-", suffix=".log")  # kept for reading after a failure
     with os.fdopen(fd, "wb") as output:
         _server = start_server(env, output)

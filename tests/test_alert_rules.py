@@ -67,3 +67,22 @@ def test_each_firing_expectation_can_fail(alert: str, tmp_path: Path) -> None:
 
 def test_no_rule_text_says_the_seed() -> None:
     assert "seed" not in (REPO / "monitoring" / "alerts.yaml").read_text().lower()
+
+
+def test_severities_are_the_ones_kube_prometheus_stack_routes() -> None:
+    """Its default inhibit rules and the usual Alertmanager routes key on critical/warning/info."""
+    severities = {r["labels"]["severity"] for g in RULES["groups"] for r in g["rules"]}
+    assert severities <= {"critical", "warning", "info"} and "critical" in severities
+
+
+def test_every_alert_that_fires_names_its_run_or_pod() -> None:
+    """Two runs on one Prometheus: each alert says which run (or which pod) it is about, so neither
+    masks nor merges the other (an unlabelled absent() did both)."""
+    for case in TESTS["tests"]:
+        for check in case["alert_rule_test"]:
+            for alert in check["exp_alerts"]:
+                labels = alert["exp_labels"]
+                assert "run_id" in labels or {"namespace", "pod"} <= set(labels), (check["alertname"], labels)
+    for group in RULES["groups"]:
+        for rule in group["rules"]:
+            assert "absent(" not in rule["expr"] and "absent_over_time(" not in rule["expr"], rule["alert"]

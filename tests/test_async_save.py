@@ -4,17 +4,19 @@ is in flight waits or is skipped; retention keeps what a save or an upload still
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
+from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, copy_tensors
 from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
 from tiering.digest import hash_file
@@ -205,3 +207,36 @@ def test_retention_keeps_steps_in_use(tmp_path: Path) -> None:
     pin.unlink()
     assert tier.apply_retention() == [10] and tier.committed_steps() == [20]
     assert json.loads((tier.layout.latest_path).read_text())["step"] == 20
+
+
+def test_snapshot_buffers_are_one_arena_per_dtype_reused_until_the_layout_changes() -> None:
+    """One allocation per dtype (not one per tensor: on a GPU host each is a cudaHostAlloc rounded
+    up to a power of two), the same memory at the next save, new arenas only for a new layout."""
+    state = {"w": torch.randn(300, 7), "b": torch.randn(5), "m": torch.arange(10, dtype=torch.int64), "n": 3}
+    buffers = SnapshotBuffers()
+    first, _ = copy_tensors(state, buffers)
+    assert buffers.allocations == 2 and sorted(map(str, buffers.arenas)) == ["torch.float32", "torch.int64"]
+    assert buffers.arenas[torch.float32].numel() == 300 * 7 + 5  # exact size, no rounding
+    assert all(torch.equal(first[k], state[k]) for k in ("w", "b", "m")) and first["n"] == 3
+    pointer = first["w"].data_ptr()
+    state["w"].add_(1.0)
+    second, _ = copy_tensors(state, buffers)
+    assert buffers.allocations == 2 and second["w"].data_ptr() == pointer  # reused, not reallocated
+    assert torch.equal(second["w"], state["w"])
+    state["w"] = torch.randn(301, 7)  # another layout: arenas made again
+    third, _ = copy_tensors(state, buffers)
+    assert buffers.allocations == 4 and torch.equal(third["w"], state["w"])
+
+
+def test_the_thread_writer_holds_no_live_tensor_once_it_copied_them(tmp_path: Path) -> None:
+    """On GPU the live tensors are a model's worth of device memory: a write that stalls (here
+    slowed on purpose) or an in-process restart must not keep them alive through the writer."""
+    live = torch.randn(512, 512)
+    alive = weakref.ref(live)
+    write = BackgroundWrite("thread", {"model": {"w": live}}, tmp_path / "state.pt", fault="slow", buffers=None)
+    write.wait_for_snapshot()
+    del live
+    gc.collect()
+    assert alive() is None, "the writer still references the live tensor after its copy"
+    outcome = write.poll(block=True)
+    assert outcome is not None and outcome.ok, outcome

@@ -123,6 +123,10 @@ class Tiers:
     committed_steps: list[int] = field(default_factory=list)
     memory: ScriptedTier | None = None
 
+    @property
+    def tier1(self) -> ScriptedTier | None:
+        return self.local
+
     def prepare(self) -> None:
         for tier in self.background_tiers():
             tier.prepare()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from pretrain.commands.launch import check_flags, expand_slurm_nodelist, first_slurm_host
-from pretrain.errors import LaunchError
+from pretrain.errors import EXCLUDED_EXIT_CODE, STOP_EXIT_CODE, LaunchError
 from pretrain.resilience.attempts import scaled_from
 from tests.helpers import PYTHON, TINY
 
@@ -83,7 +84,6 @@ def test_slurm_environment(tmp_path: Path) -> None:
         ({"HOSTNAME": "pretrain-5", "NNODES": "4"}, "node rank 5 is not below the number of nodes 4"),
         ({"HOSTNAME": "pretrain-0"}, "NNODES is not set"),
         ({"HOSTNAME": "pretrain-0", "NNODES": "two"}, "NNODES='two' is not an integer"),
-        ({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": "/nonexistent/nvme"}, "does not exist"),
         ({"HOSTNAME": "pretrain-0", "NNODES": "1"}, "LOCAL_NVME is not set"),
         ({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2"}, "SLURM_NODEID is not set"),
     ],
@@ -93,6 +93,25 @@ def test_bad_launch_environments_fail_in_one_line(env: dict[str, str], needle: s
     assert out.returncode == 2
     lines = [x for x in out.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and needle in lines[0] and "fix:" in lines[0], out.stderr
+
+
+def test_a_node_local_launch_error_exits_3_so_the_job_restarts_elsewhere(tmp_path: Path) -> None:
+    """Exit 2 stops the run (JobSet FailJobSet, the sbatch ends the job); what is wrong with this
+    node only (its NVMe, its topology file) exits 3: restart elsewhere."""
+    missing = tmp_path / "nvme-not-assembled"
+    out = _launch({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": str(missing)})
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert out.returncode == EXCLUDED_EXIT_CODE == 3 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("launch error on this node: ") and "does not exist" in lines[0] and "fix:" in lines[0]
+    gone = tmp_path / "no-topology"
+    out = _launch(_slurm_env(tmp_path, TOPOLOGY_FILE=str(gone)))
+    assert out.returncode == 3 and f"TOPOLOGY_FILE={gone}: cannot read it" in out.stderr, out.stderr
+    # Run-level problems keep the stop code, whatever the node.
+    assert _launch({"HOSTNAME": "pretrain-0"}).returncode == STOP_EXIT_CODE == 2
+    assert (
+        _launch({"HOSTNAME": "pretrain-0", "NNODES": "1", "LOCAL_NVME": str(tmp_path)}, "--set", "x.y=1").returncode
+        == 2
+    )
 
 
 def test_unsupported_flag_fails_fast(tmp_path: Path) -> None:
@@ -152,6 +171,45 @@ def test_nodelist_expansion_keeps_padding() -> None:
     assert expand_slurm_nodelist("n[8-11]") == ["n8", "n9", "n10", "n11"]
     with pytest.raises(LaunchError, match="bad range"):
         expand_slurm_nodelist("gpu[a-b]")
+
+
+def _scontrol_hostnames(nodelist: str, tmp_path: Path) -> list[str]:
+    """Slurm's own expansion (``scontrol show hostnames`` reads only a config, no controller)."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=d Nodes=localhost\n"
+    )
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "Invalid" not in out.stderr, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "nodelist", ["rack[1-2]-node[01-02]", "gpu-[001-004,010]", "gpu[003-005,007],cpu01", "x[8-11],login"]
+)
+def test_multi_bracket_and_suffixed_nodelists_expand_as_slurm_does(nodelist: str, tmp_path: Path) -> None:
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol is not installed (scripts/install-system-deps.sh installs Slurm)")
+    assert expand_slurm_nodelist(nodelist) == _scontrol_hostnames(nodelist, tmp_path)
+
+
+def test_a_suffix_after_the_brackets_and_unreadable_lists() -> None:
+    # Slurm 22.05's scontrol calls "a[1-3]b" an invalid hostlist; newer ones and sites write it.
+    assert expand_slurm_nodelist("a[1-3]b") == ["a1b", "a2b", "a3b"]
+    assert expand_slurm_nodelist("node[1-2]-ib") == ["node1-ib", "node2-ib"]
+    assert first_slurm_host("rack[1-2]-node[01-02]") == "rack1-node01"
+    for bad in ("a[1-2", "a]1", "a,,b", "a[[1]]", "n[3-1]", ""):
+        with pytest.raises(LaunchError, match="fix: run under sbatch/srun, or export RDZV_HOST"):
+            expand_slurm_nodelist(bad)
+
+
+def test_slurm_rdzv_host_from_the_sbatch_wins(tmp_path: Path) -> None:
+    out = _launch({**_slurm_env(tmp_path), "RDZV_HOST": "10.0.0.7"})
+    assert out.returncode == 0, out.stderr
+    assert "--rdzv-endpoint=10.0.0.7:29500" in shlex.split(out.stdout.splitlines()[-1])
+    text = (Path(__file__).resolve().parents[1] / "slurm" / "pretrain.sbatch").read_text()
+    assert 'RDZV_HOST=${RDZV_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}' in text
 
 
 def _slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -12,16 +12,17 @@ import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
-from tests.helpers import REPO, TINY, metrics_by_step, overrides_for, run, torchrun
+from tests.helpers import REPO, TINY, metrics_by_step, overrides_for, run
 
 pytestmark = pytest.mark.slow
 
 COMMON = {"train.steps": 40, "checkpoint.local.interval": 5, "checkpoint.reshardable.interval": 100}
 
 
-def test_a_segfault_and_a_stopped_rank_are_recorded_against_the_rank_hit(tmp_path: Path, corpus: Path) -> None:
-    base = tmp_path / "base"
-    torchrun(base, 2, overrides_for(base, corpus, **COMMON))
+def test_a_segfault_and_a_stopped_rank_are_recorded_against_the_rank_hit(
+    tmp_path: Path, corpus: Path, reference_40: Path
+) -> None:
+    """Compared with the session's shared uninterrupted 40-step run (tests/conftest.py)."""
     job = tmp_path / "job"
     faults = [
         Fault(restart=0, phase="training", ranks=[0], sig=signal.SIGSEGV, after_step=12),
@@ -43,7 +44,7 @@ def test_a_segfault_and_a_stopped_rank_are_recorded_against_the_rank_hit(tmp_pat
     segv, hang = records[0]["failure"], records[1]["failure"]
     assert segv["ranks"] == [0] and "killed by signal 11 (SIGSEGV) during training" in segv["evidence"], segv
     assert hang["ranks"] == [1] and "hung: no sign of life for" in hang["evidence"], hang
-    got, want = metrics_by_step(job / "runs" / "t"), metrics_by_step(base / "runs" / "t")
+    got, want = metrics_by_step(job / "runs" / "t"), metrics_by_step(reference_40)
     assert sorted(got) == list(range(1, 41))
     for step in range(1, 41):
         assert got[step]["loss"] == want[step]["loss"], step

@@ -21,6 +21,7 @@ from pretrain.cli import main
 from pretrain.observability.goodput import CAUSES, GoodputCollector, goodput_from_records, goodput_of
 from pretrain.observability.metrics import TrainingMetrics
 from tests.helpers import PYTHON
+from tiering.uploader import UploaderMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -173,7 +174,10 @@ def test_prometheus_and_status_show_the_split_read_from_the_files(
     assert json.loads(capsys.readouterr().out)["badput_s"]["recomputed_steps"] == 3.0
 
 
-PROMQL_WORDS = {"rate", "increase", "sum", "by", "time", "max", "min", "avg", "without", "on", "irate", "clamp_min"}
+PROMQL_WORDS = {"rate", "increase", "sum", "by", "time", "max", "min", "avg", "without", "on", "irate", "clamp_min"} | {
+    "histogram_quantile",
+    "le",
+}
 
 
 def _metric_names(expr: str) -> set[str]:
@@ -188,7 +192,10 @@ def test_every_metric_the_dashboard_plots_is_exported_by_the_code(tmp_path: Path
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     plotted = set().union(*(_metric_names(e) for e in exprs))
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("loss", "throughput", "goodput", "checkpoint age", "restarts"):
+    for topic in ("loss", "throughput", "goodput", "checkpoint age", "restarts", "s3", "tier health") + (
+        "save and restore",
+        "stragglers",
+    ):
         assert topic in titles, topic
     run = tmp_path / "runs" / "t"
     _write_run(run)
@@ -200,5 +207,11 @@ def test_every_metric_the_dashboard_plots_is_exported_by_the_code(tmp_path: Path
     metrics.recovered(3, 4.2)
     metrics.from_history([{"status": "failed", "failure": {"classification": "infrastructure"}}])
     metrics.registry.register(GoodputCollector(run, "t"))
-    exported = {s.name for m in metrics.registry.collect() for s in m.samples}
+    metrics.save_failed("local")
+    metrics.tier_healthy("local", True)
+    metrics.loaded("local", 1.0)
+    metrics.straggler_score(0, "n0", 1.0)
+    uploader = UploaderMetrics("t")  # the uploader Deployment's own series (S3 panels)
+    uploader.pending.labels("t").set(0)  # set by each promotion round
+    exported = {s.name for reg in (metrics.registry, uploader.registry) for m in reg.collect() for s in m.samples}
     assert plotted and plotted <= exported, plotted - exported

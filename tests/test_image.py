@@ -46,11 +46,17 @@ def pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+ENTRY_SCRIPT = REPO / "k8s" / "common" / "trainer-entry.sh"
+
+
 def programs(container: dict[str, Any]) -> list[str]:
-    """The programs a container runs: its command, or what its shell script execs."""
+    """The programs a container runs: its command, what its shell script execs, or what the
+    trainer's entry script (k8s/common/trainer-entry.sh) starts."""
     cmd = list(container.get("command", [])) + list(container.get("args", []))
     if cmd[:2] == ["/bin/sh", "-c"]:
         return re.findall(r"\bexec\s+([\w./-]+)", " ".join(cmd[2:]))
+    if cmd[:1] == ["/bin/sh"] and cmd[1].endswith("/" + ENTRY_SCRIPT.name):
+        return re.findall(r"^(pretrain) launch ", ENTRY_SCRIPT.read_text(), re.MULTILINE)
     return cmd[:1]
 
 
@@ -105,10 +111,11 @@ def test_the_entry_points_the_image_proves_are_the_ones_the_manifests_call() -> 
     launch = (REPO / "pretrain" / "commands" / "launch.py").read_text()
     assert 'shutil.which("ft_launcher")' in launch  # pretrain launch execs NVRx's ft_launcher
     called.add("ft_launcher")
-    assert called == {"pretrain", "tiering", "ft_launcher"}
-    assert proven_entry_points() == called
+    assert called == {"pretrain", "ft_launcher"}
+    # tiering: the runbook's manual restore and `tiering ls` run in the image too.
+    assert proven_entry_points() == called | {"tiering"}
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert called - {"ft_launcher"} == set(scripts)
+    assert proven_entry_points() - {"ft_launcher"} == set(scripts)
     for target in scripts.values():
         module, _, func = target.partition(":")
         assert callable(getattr(__import__(module, fromlist=[func]), func))
@@ -122,7 +129,7 @@ def _digest(image: str) -> str:
 def test_every_overlay_records_the_digest_it_deploys(overlay: str) -> None:
     containers = project_image_containers(overlay)
     images = {c["image"] for c in containers}
-    assert len(images) == 1, images  # trainer, restore init container and uploader run one image
+    assert len(images) == 1, images  # trainer, its init containers and the uploader run one image
     recorded = env_configmap(build(overlay))["IMAGE_DIGEST"]
     assert recorded == _digest(images.pop())
     assert re.fullmatch(r"sha256:[0-9a-f]{64}|unknown", recorded)
@@ -138,3 +145,30 @@ def test_slurm_runs_the_image_through_pyxis_and_records_its_digest() -> None:
     assert '"${container[@]}"' in sbatch.split("srun --ntasks-per-node=1", 1)[1].splitlines()[0]
     assert "IMAGE_DIGEST=${IMAGE_DIGEST:-sha256:${CONTAINER_IMAGE##*@sha256:}}" in sbatch
     assert "export IMAGE_DIGEST=${IMAGE_DIGEST:-unknown}" in sbatch
+
+
+def test_the_image_installs_the_efa_userspace_and_the_nccl_plugin_it_proves_loads() -> None:
+    """Without the aws-ofi-nccl plugin (or with one that cannot resolve its libraries) NCCL trains
+    over TCP sockets silently; the build installs the EFA userspace (no kernel module) and the
+    plugin built against it, pinned, puts both on the loader path and fails if the plugin has an
+    unresolved library."""
+    args = build_args()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["EFA_INSTALLER_VERSION"])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["AWS_OFI_NCCL_VERSION"])
+    run = run_commands()
+    assert "efa_installer.sh -y -g -d --skip-kmod --skip-limit-conf --no-verify" in run
+    assert "--with-libfabric=/opt/amazon/efa" in run and "--with-cuda=" in run and "--enable-platform-aws" in run
+    assert "apt-get remove -y --allow-change-held-packages ibverbs-utils libibverbs-dev libibverbs1" in run
+    assert "plugin=/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so" in run and 'test -f "$plugin"' in run
+    assert '! ldd "$plugin" | grep "not found"' in run and "fi_info --version" in run
+    env = " ".join(a for k, a in instructions() if k == "ENV")
+    assert re.search(r"LD_LIBRARY_PATH=/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:", env)
+    assert "efa_installer" in next(a for k, a in instructions() if k == "RUN"), "EFA first, then pip"
+
+
+@pytest.mark.parametrize("overlay", ["overlays/h100", "overlays/h100-jobset"])
+def test_efa_deployments_make_nccl_fail_without_the_plugin(overlay: str) -> None:
+    env = env_configmap(build(overlay))
+    assert env["NCCL_NET"] == "OFI" and env["FI_PROVIDER"] == "efa"
+    plugin = next(a for k, a in instructions() if k == "RUN" and "plugin=" in a).split("plugin=")[1].split()[0]
+    assert plugin.endswith(f"/libnccl-net-{env['NCCL_NET_PLUGIN']}.so"), "NCCL loads the plugin the image built"

@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pretrain.config import load_config
 from pretrain.data.prepare import prepare_data
 from tests.helpers import REPO
 from tests.prepare_corpus import write_corpus
@@ -63,13 +64,63 @@ def test_the_indexed_job_runs_one_pod_per_shard_and_never_retries_bad_input() ->
         "action": "FailIndex",
         "onExitCodes": {"containerName": "prepare", "operator": "In", "values": [2]},
     } in rules
-    pod = spec["template"]["spec"]
-    claim = one(docs, "PersistentVolumeClaim")
-    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
-    assert "ReadWriteMany" in claim["spec"]["accessModes"]
     for d in (job, one(build(K8S / "merge"), "Job")):
         container = d["spec"]["template"]["spec"]["containers"][0]
         assert container["envFrom"][0]["configMapRef"]["name"] == env["metadata"]["name"]
+
+
+def test_prepared_data_lands_where_the_h100_trainer_reads_it_with_its_tokenizer(tmp_path: Path) -> None:
+    """The same volume (the run's RWX staging claim, which the trainer mounts at the same path, in
+    the same namespace), the merged prefix = data.prefix, the tokenizer = data.tokenizer_path, the
+    trainer's image digest, and the trainer's non-root securityContext."""
+    from tests.test_k8s import build as build_overlay
+    from tests.test_k8s import trainer_pods
+
+    trainer_docs = build_overlay("overlays/h100")
+    (trainer,) = trainer_pods(trainer_docs)
+    trainer_mounts = {
+        m["name"]: m["mountPath"]
+        for c in trainer.spec["containers"]
+        if c["name"] == "trainer"
+        for m in c["volumeMounts"]
+    }
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in trainer.spec["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    (pvc,) = [d for d in trainer_docs if d["kind"] == "PersistentVolumeClaim"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["storageClassName"]
+    cm = next(
+        d for d in trainer_docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("pretrain-config")
+    )
+    (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
+    cfg = load_config(tmp_path / "config.yaml")
+    (sts,) = [d for d in trainer_docs if d["kind"] == "StatefulSet"]
+    trainer_image = next(c["image"] for c in trainer.spec["containers"] if c["name"] == "trainer")
+    env = one(build(K8S), "ConfigMap")["data"]
+    assert env["MERGED"] == cfg.data.prefix
+    assert env["TOKENIZER_ARGS"].split() == [
+        "--tokenizer",
+        cfg.data.tokenizer,
+        "--tokenizer-path",
+        cfg.data.tokenizer_path,
+    ]
+    for path in (K8S, K8S / "merge"):
+        (job,) = [d for d in build(path) if d["kind"] == "Job"]
+        assert job["metadata"]["namespace"] == sts["metadata"]["namespace"]
+        pod = job["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"] == trainer_image
+        assert pod["securityContext"]["runAsUser"] == trainer.spec["securityContext"]["runAsUser"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        (name,) = [v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        claim = next(v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if v["name"] == name)
+        trainer_name = next(n for n, c in claims.items() if c == claim)
+        assert mounts[name] == trainer_mounts[trainer_name], "one path on both sides"
+        assert env["MERGED"].startswith(mounts[name] + "/") and env["OUTPUT"].startswith(mounts[name] + "/")
 
 
 def _script(job: dict[str, Any]) -> str:

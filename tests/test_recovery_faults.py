@@ -26,7 +26,6 @@ from tests.helpers import (
     read_jsonl,
     run,
     start_nodes,
-    torchrun,
     wait_nodes,
 )
 
@@ -37,10 +36,9 @@ HOLD = 2.0  # seconds each rank stays in a targeted phase: the outside kill land
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[int, dict[str, Any]]:
-    base = tmp_path_factory.mktemp("baseline")
-    torchrun(base, 2, overrides_for(base, corpus, **COMMON))
-    return metrics_by_step(base / "runs" / "t")
+def baseline(reference_40: Path) -> dict[int, dict[str, Any]]:
+    """The uninterrupted run's metrics: the session's shared 40-step reference run (tests/conftest.py)."""
+    return metrics_by_step(reference_40)
 
 
 def _holds(faults: list[Fault]) -> dict[str, Any]:

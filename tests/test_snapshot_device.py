@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpointing.async_writer import BackgroundWrite, _tensor_devices, snapshot_device
+from pretrain.checkpointing.async_writer import BackgroundWrite, snapshot_device, tensor_devices
 
 
 def test_writer_binds_to_the_device_of_the_staged_cuda_tensors() -> None:
@@ -25,8 +25,8 @@ def test_writer_binds_to_the_device_of_the_staged_cuda_tensors() -> None:
 
 def test_a_snapshot_without_cuda_tensors_binds_to_no_device() -> None:
     staged = {"model": {"w": torch.empty(2, 3, device="meta")}, "rng": [torch.zeros(4)], "step": 7}
-    assert _tensor_devices(staged) == {torch.device("meta"), torch.device("cpu")}
-    assert snapshot_device(_tensor_devices(staged)) is None
+    assert tensor_devices(staged) == {torch.device("meta"), torch.device("cpu")}
+    assert snapshot_device(tensor_devices(staged)) is None
 
 
 def test_tensors_on_two_gpus_are_refused_naming_both() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
-from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, read_jsonl, torchrun
+from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, read_jsonl
 
 pytest.importorskip("fuse", reason="fusepy missing: pip install -e '.[test]'")
 
@@ -106,11 +106,11 @@ def _job_on_gated_mount(
         mount.stop()
 
 
-def test_a_job_whose_tier_1_storage_stalls_keeps_training_bit_exact(tmp_path: Path, corpus: Path) -> None:
+def test_a_job_whose_tier_1_storage_stalls_keeps_training_bit_exact(
+    tmp_path: Path, corpus: Path, reference_40: Path
+) -> None:
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
-    base = tmp_path / "baseline"
-    torchrun(base, 2, overrides_for(base, corpus, **COMMON))
 
     run = tmp_path / "stall" / "runs" / "t"
     with _job_on_gated_mount(tmp_path, corpus, COMMON) as (proc, mount, env):
@@ -134,12 +134,12 @@ def test_a_job_whose_tier_1_storage_stalls_keeps_training_bit_exact(tmp_path: Pa
     assert len({e["attempt"] for e in ev if e["event"] == "start"}) == 1, "it kept training, no restart"
     assert not leftovers, f"processes of the job still alive: {leftovers}"
 
-    _assert_bit_equal(base / "runs" / "t", run)
+    _assert_bit_equal(reference_40, run)
     print(f"gate closed after step {closed_at}; stall recorded at step {stalled_step}, {stalled_s:.1f}s into the job")
 
 
 def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips_it(
-    tmp_path: Path, corpus: Path
+    tmp_path: Path, corpus: Path, reference_40: Path
 ) -> None:
     """The gate closes once step 5 is published in tier 1 and never opens while the job runs: the
     writers of step 10 stall in the kernel, rank 1 is SIGKILLed at step 25, ft_launcher restarts
@@ -151,8 +151,6 @@ def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("needs /dev/fuse and root to mount a FUSE file system")
     common = {**COMMON, "checkpoint.reshardable.interval": 10}
-    base = tmp_path / "baseline"
-    torchrun(base, 2, overrides_for(base, corpus, **common))
 
     run = tmp_path / "stall" / "runs" / "t"
     kill = {"fault_tolerance.inject.kill_rank": 1, "fault_tolerance.inject.kill_at_step": 25}
@@ -178,4 +176,4 @@ def test_ranks_exit_and_restart_while_tier_1_stays_stalled_and_the_restore_skips
     assert stuck, "the first attempt's writer was still stuck in the kernel when the job ended"
     assert not leftovers, f"processes of the job still alive after the storage answered: {leftovers}"
 
-    _assert_bit_equal(base / "runs" / "t", run)
+    _assert_bit_equal(reference_40, run)

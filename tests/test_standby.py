@@ -19,12 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pretrain.commands.ft_command import ft_launcher_command
+from pretrain.resilience.phases import ranks_in_phase
 from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.beside import start_server
 from pretrain.resilience.standby.server import cuda_driver_loaded, fork_hazard
 from pretrain.resilience.standby.wire import ENV
 from pretrain.soak.storage import GatedMount  # its daemon needs fusepy; the module does not
-from tests.helpers import PYTHON, REPO
+from tests.helpers import FT_CPU, PYTHON, REPO, TINY, job_env, overrides_for
 
 RANK = [PYTHON, "-m", "tests.standby_rank"]
 
@@ -267,3 +269,46 @@ def test_the_preload_makes_torch_compile_lazy_and_finds_the_straggler_package_at
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["_compile_at_first_call", "True"]
+
+
+@pytest.mark.slow  # a real 2-rank job under ft_launcher: make test, not the edit loop
+def test_the_pretrain_console_script_under_ft_launcher_runs_its_ranks_as_forks_of_the_standby_server(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """``ft_launcher ... .venv/bin/pretrain train`` (the README's run of your own), not ``-m pretrain``:
+    each rank the launcher starts is a fork of the standby server (its parent, its command line),
+    while the launcher's worker is the console script that stands in for it. The job is ended
+    once both ranks train (their pids are read from their phase records while they live)."""
+    env = job_env(tmp_path, shared_standby=False)  # a server of its own: its pid is known here
+    server = start_server(env)
+    cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=0, standby=False)
+    at = cmd.index("-m")
+    cmd[at : at + 2] = [str(Path(PYTHON).with_name("pretrain"))]  # the console script, run by the launcher
+    for item in overrides_for(tmp_path, corpus, **{"train.steps": 100000}):
+        cmd += ["--set", item]
+    log = (tmp_path / "job.log").open("w")
+    job = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        pids = None
+        while pids is None and time.monotonic() < deadline and job.poll() is None:
+            pids = ranks_in_phase(tmp_path / "runs" / "t", None, "training", [0, 1])
+            time.sleep(0.2)
+        assert pids is not None, (tmp_path / "job.log").read_text()[-4000:]
+        for pid in pids.values():
+            rank = psutil.Process(pid)
+            assert rank.ppid() == server.pid
+            assert "pretrain.resilience.standby.server" in " ".join(rank.cmdline())
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True) if p.pid != server.pid]
+        clients = [p for p in workers if any(a.endswith("/pretrain") for a in p.cmdline()[:3])]
+        assert len(clients) == 2 and {p.pid for p in clients}.isdisjoint(pids.values())
+    finally:
+        # The launcher's workers run in sessions of their own: each is killed by its pid (their
+        # ranks die with them, through their pidfd watch).
+        for proc in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        job.wait(30)
+        server.kill()
+        server.wait(30)
+        log.close()

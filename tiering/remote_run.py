@@ -21,6 +21,7 @@ GC; one module each) share. It reads only listings and never writes an object. C
 
 from __future__ import annotations
 
+from tiering.errors import ObjectStoreError
 from tiering.layout import parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME
 from tiering.objectstore import ObjectStore
@@ -58,3 +59,16 @@ class RemoteRun:
 
     def committed_steps(self) -> list[int]:
         return sorted((s for s, names in self.steps().items() if COMMITTED_NAME in names), reverse=True)
+
+    def committed_or_unlisted(self) -> tuple[list[int], str | None]:
+        """``(committed steps, None)`` when the store answered the listing (an empty answer too);
+        ``([], one line)`` when it could not be listed (endpoint, network, credentials, bucket,
+        permissions): then nothing is known about the run's steps, and the caller must not take it
+        for "no checkpoints" (a rebuilt cluster with a broken identity would restart from step 0)."""
+        try:
+            return self.committed_steps(), None
+        except ObjectStoreError as exc:
+            return [], (
+                f"{self.where(self.key('steps'))} (not listed: {str(exc).split('; fix:')[0]}; fix: check "
+                "checkpoint.s3.endpoint_url, the network route and the identity's credentials)"
+            )

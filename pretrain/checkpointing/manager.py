@@ -102,12 +102,12 @@ class CheckpointManager:
                 continue
             try:
                 self.report.saved(tier.save(self.state), step)
-                saved_local = saved_local or tier is self.tiers.local
+                saved_local = saved_local or tier is self.tiers.tier1
             except PublishError as exc:
                 self.report.failed(tier.name, step, exc)
             self.monitor.beat()
         # Leaving: tier 1 must be durable now; promotion staging is not waited for.
-        local = [self.tiers.local] if leaving and self.tiers.local is not None else None
+        local = [self.tiers.tier1] if leaving and self.tiers.tier1 is not None else None
         done = self._poll(block=leaving, tiers=local)
         saved_local = saved_local or any(d.tier == "local" and d.step == step for d in done)
         self.monitor.end("checkpointing")
@@ -178,7 +178,7 @@ class CheckpointManager:
 
     def _leave(self, saved_local: bool) -> None:
         """Collective (every rank agreed at this step boundary): emergency tier-1 save, then exit."""
-        step, local, watch = self.state.step, self.tiers.local, self.watch
+        step, local, watch = self.state.step, self.tiers.tier1, self.watch
         published = saved_local
         if local is None:
             outcome = "tier 1 is disabled: no emergency save"

@@ -1,8 +1,10 @@
 """Tier 0 (``checkpoint.memory``): each rank's newest state in memory-backed slot files.
 
 Owns the tier-0 schedule (every ``interval`` steps), the background write of each snapshot
-straight into the free slot (serialising the live tensors into the tmpfs file *is* the snapshot:
-no host copy is made first), the seal once the chunk digests are complete, the start-up memory
+straight into the free slot (on CPU serialising the live tensors into the tmpfs file *is* the
+snapshot: no host copy is made first; on GPU the writer first copies them on a side stream, after
+an event recorded at the save, into one pinned arena per dtype, and the optimizer step waits for
+that copy only), the seal once the chunk digests are complete, the start-up memory
 check, turning the tier off when the tmpfs fills, and the tier-0 restore (agree on the newest step
 every rank can obtain from its own slots or from the peer copy its tier-2 peer holds, verify its
 chunks, fetch the peer copies needed, map it). The slot files survive the rank process and an
@@ -24,13 +26,22 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pretrain.checkpointing.async_writer import WriterThread, save_state, stage_on_training_thread
+from pretrain.checkpointing.async_writer import (
+    SnapshotBuffers,
+    WriterThread,
+    copy_tensors,
+    record_produced,
+    save_state,
+    snapshot_device,
+    stage_on_training_thread,
+    tensor_devices,
+)
 from pretrain.checkpointing.memory_budget import (
     SHM_RESERVE_PER_RANK,
     NodeRoom,
@@ -84,6 +95,10 @@ class _SlotWrite:
     full: bool = False  # the tmpfs ran out of space
     crash: BaseException | None = None  # a programming error: raised on the training thread
     done: threading.Event | None = None
+    # Set once the live tensors are in host memory (on GPU: the device-to-host copy into the
+    # pinned arena; on CPU serialising them into the slot is the copy, so with the seal).
+    copied: threading.Event = field(default_factory=threading.Event)
+    device: torch.device | None = None  # the GPU of the state, None on CPU
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,8 @@ class MemoryTier:
         self._inflight: _SlotWrite | None = None
         self._sequence: int | None = None
         self._mapped: set[int] = set()  # slots a loaded state may still map: rewritten on a new inode
+        self._agent_pins: frozenset[int] = frozenset()  # slots the node's agent is copying to tier 1
+        self._buffers = SnapshotBuffers()  # on GPU: the pinned arena every snapshot is copied into
 
     def attach_peers(self, holders: dict[int, list[int]], transport: Transport) -> None:
         """Stream each sealed slot to ``holders[rank]`` and hold the copies of the owners whose
@@ -166,9 +183,13 @@ class MemoryTier:
         self._sequence += 1
         manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
         staged = stage_on_training_thread(rank_payload(state, self.rank))
+        job.device = snapshot_device(tensor_devices(staged))
+        produced = record_produced(job.device)  # after the kernels that made this state
         fresh = job.slot in self._mapped
         self._mapped.discard(job.slot)
-        job.done = _SLOT_WRITER.submit(lambda: self._write(job, staged, manifest, fresh))
+        box = [staged]  # emptied by the writer once copied: nothing here keeps the live tensors
+        del staged
+        job.done = _SLOT_WRITER.submit(lambda: self._write(job, box, manifest, fresh, produced))
         job.blocked = time.perf_counter() - t0
         self._inflight = job
         return job.blocked
@@ -178,20 +199,43 @@ class MemoryTier:
         while another slot qualifies (``slots: 3`` always leaves one)."""
 
         def choose(pinned: frozenset[int]) -> int:
-            return slot_to_write(views, self.cfg.run.id, pinned)
+            return slot_to_write(views, self.cfg.run.id, pinned | self._agent_pins)
 
         return self._stream.claim_slot_to_write(choose) if self._stream is not None else choose(frozenset())
 
+    # -- what the agent tier asks (pretrain.checkpointing.agent_tier.SealedSlots) -----------------
+    def sealed_slot(self, step: int) -> int | None:
+        """This rank's slot sealed with ``step`` (its header alone is read: tmpfs)."""
+        if self.sealing(step):
+            return None
+        found = [v for v in loadable(self.store.views(), self.cfg.run.id, step) if v.step == step]
+        return found[0].index if found else None
+
+    def sealing(self, step: int) -> bool:
+        job = self._inflight
+        return job is not None and job.step == step and job.done is not None and not job.done.is_set()
+
+    def wait_sealed(self, timeout: float) -> None:
+        job = self._inflight
+        if job is not None and job.done is not None:
+            job.done.wait(timeout)
+
+    def pin(self, slots: frozenset[int]) -> None:
+        self._agent_pins = slots
+
     def before_optimizer_step(self) -> float:
-        """The optimizer is about to change the tensors being serialised: wait until the slot is
-        sealed. Waiting for the seal, not only for the payload, is what bounds the loss to one
-        step: once step s+1 is reported done, step s is loadable (the digests of a slot take a
-        fraction of the forward and backward they overlap). Seconds waited."""
+        """The optimizer is about to change the tensors being serialised. On CPU: wait until the
+        slot is sealed. Waiting for the seal, not only for the payload, is what bounds the loss to
+        one step: once step s+1 is reported done, step s is loadable (the digests of a slot take a
+        fraction of the forward and backward they overlap). On GPU: wait for the device-to-host
+        copy only (the state is then in the pinned arena); the write and seal finish behind the
+        optimizer step, sealed before the next snapshot starts, so a crash inside that window
+        loses one step more. Seconds waited."""
         job = self._inflight
         if job is None or job.done is None or job.done.is_set():
             return 0.0
         t0 = time.perf_counter()
-        job.done.wait()
+        (job.copied if job.device is not None else job.done).wait()
         waited = time.perf_counter() - t0
         job.blocked += waited
         return waited
@@ -270,9 +314,22 @@ class MemoryTier:
             self._stream.close(drain=False, timeout=1.0)
             self._stream = None
 
-    def _write(self, job: _SlotWrite, staged: dict[str, Any], manifest: Manifest, fresh_inode: bool) -> None:
-        """On the writer thread: payload into the slot, the chunk digests of the file, the seal."""
+    def _write(
+        self, job: _SlotWrite, box: list[dict[str, Any]], manifest: Manifest, fresh_inode: bool, produced: Any
+    ) -> None:
+        """On the writer thread: (on GPU, the tensors copied into the pinned arena on a side
+        stream after ``produced``, never a pageable copy of live device memory) payload into the
+        slot, the chunk digests of the file, the seal."""
         try:
+            try:
+                if job.device is not None:
+                    staged, _ = copy_tensors(box.pop(), self._buffers, job.device, produced)
+                else:
+                    staged = box.pop()
+            finally:
+                box.clear()
+                if job.device is not None:
+                    job.copied.set()
             job.nbytes = self.store.write_payload(job.slot, lambda fh: save_state(staged, fh), fresh_inode)
             digest = self.store.digest(job.slot, self.hashing)
             self.store.seal(job.slot, manifest, digest, job.sequence)
@@ -281,6 +338,8 @@ class MemoryTier:
             job.full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         except Exception as exc:  # noqa: BLE001 - raised again on the training thread by poll_async
             job.crash = exc
+        finally:
+            job.copied.set()  # never leave the optimizer step waiting, even on failure
 
     # -- start-up --------------------------------------------------------------------------------
     def check_capacity(self, state: TrainingState) -> None:

@@ -75,8 +75,8 @@ class TierSet(Protocol):
     """The tiers of one run, in save order, as the checkpoint manager and the save report use them."""
 
     @property
-    def local(self) -> CheckpointTier | None:
-        """Tier 1 (the emergency save goes there), if enabled."""
+    def tier1(self) -> CheckpointTier | None:
+        """Tier 1 as the trainer saves to it (the emergency save goes there), if enabled."""
         ...
 
     def prepare(self) -> None: ...

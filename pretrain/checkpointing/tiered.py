@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.checkpointing.agent.client import AgentLink
+from pretrain.checkpointing.agent.server import AgentSpec
+from pretrain.checkpointing.agent_tier import AgentTier
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
@@ -74,6 +78,45 @@ class TieredCheckpointer:
             self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event, phases=phases)
         if self.memory is not None and self.local is not None:
             self._attach_memory_peers()
+        self.agent: AgentTier | None = None
+        if cfg.checkpoint.agent.enabled and self.memory is not None and self.local is not None:
+            self.agent = self._agent_tier(self.memory, self.local)
+
+    def _agent_tier(self, memory: MemoryTier, local: PerRankCheckpoints) -> AgentTier:
+        """Tier 1 through the node's agent: the rank asks it to persist tier 0's sealed slots."""
+        ck = self.cfg.checkpoint
+        spec = AgentSpec(
+            run_id=self.cfg.run.id,
+            memory_root=os.path.abspath(ck.memory.dir),
+            local_root=os.path.abspath(ck.local.dir),
+            slots=ck.memory.slots,
+            keep=ck.local.keep,
+            status_dir=os.path.abspath(run_dir(self.cfg.run.dir, self.cfg.run.id)),
+            idle_exit_s=ck.agent.idle_exit_s,
+            hash_threads=ck.integrity.hash_threads,
+        )
+        if ck.memory.slots < 3 and self.coll.rank == 0:
+            log.warning(
+                "tier 1 through the agent with checkpoint.memory.slots=%d: a snapshot may overwrite the slot the "
+                "agent copies (that save then fails as torn); fix: checkpoint.memory.slots: 3",
+                ck.memory.slots,
+            )
+        link = AgentLink(spec, ck.agent.timeout_s)
+        return AgentTier(
+            self.coll,
+            ck.local.interval,
+            memory,
+            link,
+            local,
+            local.stall_deadline(),
+            local.store.layout.steps_dir,
+            self.cfg.train.steps,
+        )
+
+    @property
+    def tier1(self) -> CheckpointTier | None:
+        """Tier 1 as the trainer saves to it: through the node's agent, or in-process."""
+        return self.agent if self.agent is not None else self.local
 
     def _attach_memory_peers(self) -> None:
         """Tier 0's peer copy goes to the rank's tier-2 holders on another node (a copy on the
@@ -172,12 +215,13 @@ class TieredCheckpointer:
     def background_tiers(self) -> list[CheckpointTier]:
         """The tiers the trainer saves to, in order (tier 0, tier 1, then promotion staging); all
         can save in the background."""
-        return [t for t in (self.memory, self.local, self.reshardable) if t is not None]
+        return [t for t in (self.memory, self.tier1, self.reshardable) if t is not None]
 
     def before_optimizer_step(self) -> float:
         """Seconds waited for background snapshots of the weights about to change."""
         waited = self.memory.before_optimizer_step() if self.memory is not None else 0.0
-        return waited + (self.local.before_optimizer_step() if self.local is not None else 0.0)
+        tier1 = self.local if self.agent is None else None  # the agent copies sealed slots only
+        return waited + (tier1.before_optimizer_step() if tier1 is not None else 0.0)
 
     def in_flight_count(self) -> int:
         return sum(t.in_flight is not None for t in self.background_tiers())
@@ -229,11 +273,12 @@ class TieredCheckpointer:
             # It may hold the run's steps, and cannot be asked: never a silent start from step 0.
             where.append(f"reshardable {self.reshardable.tier.layout.run_dir} (not listed: its storage is stalled)")
         if self.coll.rank == 0 and self.remote is not None:
-            try:
-                steps = self.remote.committed_steps()
-            except ObjectStoreError as exc:
-                steps = []
-                self._unusable.append(f"S3 unreachable ({exc})")
+            # Only a store that answered and listed nothing allows a fresh start: an unreachable one
+            # (endpoint, network, credentials) may hold every step of the run.
+            steps, unlisted = self.remote.committed_or_unlisted()
+            if unlisted is not None:
+                where.append(unlisted)
+                self._unusable.append("S3 unreachable (see above)")
             if steps:
                 where.append(f"{self.remote.where(self.remote.base)} steps {steps}")
         found = sorted({w for part in self.coll.all_gather(where) for w in part})

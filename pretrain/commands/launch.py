@@ -5,13 +5,15 @@ and run id from the environment, checks that the installed ``ft_launcher`` accep
 is about to pass, and ``exec``s it (``--dry-run`` prints the exact command instead). Every bad
 input fails at start with one line naming what is wrong and how to fix it.
 
-* Slurm: ``SLURM_JOB_ID``, ``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` (first node is
-  the rendezvous host), ``SLURMD_NODENAME``.
+* Slurm: ``SLURM_JOB_ID``, ``SLURM_NNODES``, ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` (its first node
+  is the rendezvous host unless ``RDZV_HOST`` says otherwise: the sbatch exports the first of
+  ``scontrol show hostnames``), ``SLURMD_NODENAME``.
 * Kubernetes (StatefulSet): the pod ordinal is parsed from ``HOSTNAME`` (``pretrain-3`` -> 3), since
   ``fieldRef: metadata.name`` gives a name, not an integer; ``NNODES`` (the replica count) and
   ``RDZV_HOST`` (e.g. ``pretrain-0.pretrain``, the headless Service DNS name of pod 0).
 * Both: ``RDZV_STORE_TIMEOUT`` (seconds the other nodes wait for node 0's rendezvous store, default
-  1800: above node 0's restore), ``LOCAL_NVME`` (node-local checkpoint root, must exist and be
+  1800: above node 0's restore; passed as NVRx 0.7's ``store_connect_wait_seconds`` and 0.4's
+  ``read_timeout``), ``LOCAL_NVME`` (node-local checkpoint root, must exist and be
   writable), ``FAILURE_DOMAIN``
   (rack/zone/switch) or ``TOPOLOGY_FILE`` (``node domain`` lines, e.g. each node's leaf switch;
   on Kubernetes written by ``pretrain node-domain`` from the node's labels; default: the node is
@@ -21,6 +23,16 @@ input fails at start with one line naming what is wrong and how to fix it.
 * A node count whose world size the parallel layout or the global batch cannot divide (a
   scale-down to 5 of 6 nodes, say) is refused with the node counts that would work; so is
   ``fault_tolerance.straggler.action: restart_without`` when one node fewer would not fit.
+* Exit codes: 2 (``STOP_EXIT_CODE``) for what fails alike on every node: a stopped run, a config
+  or deployment error (``NNODES`` unset, a node count the layout cannot divide); 3
+  (``NodeLaunchError``) for what is wrong with this node only: ``LOCAL_NVME`` missing or not
+  writable, an unreadable ``TOPOLOGY_FILE``, no runnable ``ft_launcher``, an excluded node. The
+  JobSet fails the run on 2 and restarts elsewhere on 3; the sbatch ends the job on 2 and requeues
+  without the node on 3.
+* NVRx before 0.7 unpickles the rendezvous state from node 0's store: a multi-node launch with it is
+  refused in one line unless ``RDZV_PRIVATE_NETWORK=1`` says the job's network is private
+  (:func:`refuse_pickling_rendezvous`; the floor stays 0.4.1 in pyproject.toml: no 0.7 is installable
+  on the CPU test machines).
 * A node the run's excluded-nodes file names (a persistent straggler,
   :mod:`pretrain.resilience.excluded_nodes`) is refused in one line (exit code 3, not the stop
   code: the job is to run elsewhere); on Kubernetes the node is tainted and the pod deleted first
@@ -47,10 +59,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from pretrain.commands.node_domain import ApiServer
 from pretrain.commands.node_taint import keep_off
 from pretrain.config import check_room_to_exclude, check_world_size, load_config
-from pretrain.errors import ConfigError, LaunchError, NodeExcluded
+from pretrain.errors import ConfigError, LaunchError, NodeExcluded, NodeLaunchError
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.excluded_nodes import read_excluded, refusal
 from pretrain.resilience.job_policy import refuse_if_stopped
@@ -71,22 +85,55 @@ class LaunchPlan:
     store_timeout_s: int = 1800
 
 
+def _split_top_level(text: str) -> list[str]:
+    """``a[1-2],b[3,5]x`` -> ``["a[1-2]", "b[3,5]x"]``: commas outside brackets separate hosts."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError("nested or unbalanced brackets")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("unclosed bracket")
+    return [*parts, text[start:]]
+
+
+def _expand_ranges(ranges: str) -> list[str]:
+    """``001-003,010`` -> ``["001", "002", "003", "010"]`` (zero padding kept)."""
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"bad range {part!r}")
+        out += [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def _expand_host(expr: str) -> list[str]:
+    """One host expression with any number of bracket groups: ``rack[1-2]-node[01-02]`` -> 4 hosts."""
+    names = [""]
+    for literal, ranges in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", expr):
+        names = [n + literal for n in names]
+        if ranges:
+            names = [n + r for n in names for r in _expand_ranges(ranges)]
+    if not expr or any(not n for n in names):
+        raise ValueError("empty host name")
+    return names
+
+
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """``gpu[003-005,007],cpu01`` -> ``[gpu003, gpu004, gpu005, gpu007, cpu01]`` (zero padding kept)."""
-    hosts: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
-        prefix, ranges = m.group(1), m.group(2)
-        if not ranges:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r}: bad range {part!r}; fix: run under sbatch/srun")
-            width = len(lo)
-            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi or lo) + 1)]
-    if not hosts:
-        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} is not a Slurm nodelist; fix: run under sbatch/srun")
+    """A Slurm hostlist as ``scontrol show hostnames`` expands it: ``gpu[003-005,007],cpu01`` ->
+    ``[gpu003, gpu004, gpu005, gpu007, cpu01]``, several bracket groups and suffixes included
+    (``rack[1-2]-node[01-02]``, ``a[1-3]b``); anything it cannot read whole is a LaunchError."""
+    try:
+        hosts = [h for expr in _split_top_level(nodelist.strip()) for h in _expand_host(expr)]
+    except ValueError as exc:
+        raise LaunchError(
+            f"SLURM_JOB_NODELIST={nodelist!r}: {exc}; fix: run under sbatch/srun, or export "
+            'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) as slurm/pretrain.sbatch does'
+        ) from exc
     return hosts
 
 
@@ -100,7 +147,7 @@ def read_topology(path: str) -> dict[str, str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise LaunchError(
+        raise NodeLaunchError(
             f"TOPOLOGY_FILE={path}: cannot read it ({exc.strerror}); fix: point it at a readable file"
         ) from exc
     out = {}
@@ -160,7 +207,9 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
         nnodes = _int(env, "SLURM_NNODES", "run under sbatch with --nodes")
         node_rank = _int(env, "SLURM_NODEID", "start one launcher per node with srun --ntasks-per-node=1")
         job_nodes = expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
-        host = job_nodes[0]
+        # The sbatch exports RDZV_HOST from `scontrol show hostnames` (Slurm's own expansion, and
+        # a site may set it to the node's address where NodeName does not resolve).
+        host = env.get("RDZV_HOST") or job_nodes[0]
         node = env.get("SLURMD_NODENAME") or env.get("HOSTNAME", "")
         restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     else:
@@ -198,13 +247,13 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
     if not nvme:
         raise LaunchError("LOCAL_NVME is not set; fix: point it at the node-local NVMe mount for tier-1 checkpoints")
     path = Path(nvme)
-    if not path.is_dir():
-        raise LaunchError(
+    if not path.is_dir():  # this node's disk (not assembled, not created by its user data): run elsewhere
+        raise NodeLaunchError(
             f"LOCAL_NVME={nvme} does not exist; fix: mount the node-local NVMe there (hostPath/local PV "
             "or emptyDir on Kubernetes, the node's scratch on Slurm)"
         )
     if not os.access(path, os.W_OK):
-        raise LaunchError(f"LOCAL_NVME={nvme} is not writable by uid {os.getuid()}; fix: chown it or set fsGroup")
+        raise NodeLaunchError(f"LOCAL_NVME={nvme} is not writable by uid {os.getuid()}; fix: chown it or set fsGroup")
     rdzv_port = int(env.get("RDZV_PORT", port))
     return LaunchPlan(
         platform,
@@ -221,20 +270,25 @@ def plan_from_env(env: Mapping[str, str], port: int = 29500) -> LaunchPlan:
 
 
 def rendezvous_conf(plan: LaunchPlan) -> str:
-    """The c10d rendezvous settings ``--rdzv-conf`` passes (NVRx's fault_tolerance/launcher.py and
-    its c10d_rendezvous_backend.py read them):
+    """The c10d rendezvous settings ``--rdzv-conf`` passes (both NVRx versions hand every key to
+    ``RendezvousParameters(**rdzv_configs)``, which keeps unknown keys in ``config``):
 
     * ``is_host``: node 0 serves the TCP store, said outright. Left to itself the launcher guesses by
       comparing the endpoint's name with its own, and if a guessed host cannot bind it quietly
       becomes a client of a store nobody serves.
-    * ``read_timeout``: how long the other nodes' launchers wait to reach that store (NVRx default
-      600 s). Node 0's launcher starts only after its restore (a Kubernetes init container
-      downloading the newest step from S3), so this must exceed the restore: ``RDZV_STORE_TIMEOUT``.
+    * ``store_connect_wait_seconds`` (NVRx >= 0.6, what the image runs): how long the other nodes
+      probe node 0's store before giving up; unset, 0.7's launcher makes it 120 s
+      (``fault_tolerance/launcher.py`` ~1366) and its patched store creation raises after it
+      (``c10d_monkey_patch.py`` ~156), whatever ``read_timeout`` says. 0.4.1 ignores the key.
+    * ``read_timeout``: the same wait on NVRx 0.4.1 (its default 600 s), the TCPStore's timeout.
+      Node 0's launcher starts only after its restore (a Kubernetes init container downloading the
+      newest step from S3, a container pull), so both must exceed it: ``RDZV_STORE_TIMEOUT``.
     * ``join_timeout``: the whole rendezvous round, at least as long (NVRx default 900 s).
     """
     is_host = 1 if plan.node_rank == 0 else 0
-    join = max(plan.store_timeout_s, 900)
-    return f"is_host={is_host},read_timeout={plan.store_timeout_s},join_timeout={join}"
+    wait = plan.store_timeout_s
+    join = max(wait, 900)
+    return f"is_host={is_host},store_connect_wait_seconds={wait},read_timeout={wait},join_timeout={join}"
 
 
 def ft_launcher_argv(
@@ -303,7 +357,7 @@ def launcher_help(launcher: str) -> str:
     try:
         text = subprocess.run([launcher, "--help"], capture_output=True, text=True, timeout=120).stdout
     except OSError as exc:
-        raise LaunchError(f"{launcher}: cannot run ({exc.strerror}); fix: install nvidia-resiliency-ext") from exc
+        raise NodeLaunchError(f"{launcher}: cannot run ({exc.strerror}); fix: install nvidia-resiliency-ext") from exc
     if cache is not None and "--nnodes" in text:
         with contextlib.suppress(OSError):  # a read-only home only costs the next launch the 5 s
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -325,6 +379,34 @@ def check_flags(launcher: str, argv: list[str]) -> None:
                 f"ft_launcher does not accept {flag} (installed: {launcher}); fix: upgrade "
                 "nvidia-resiliency-ext or drop the flag from pretrain/commands/launch.py"
             )
+
+
+PRIVATE_NETWORK_ENV = "RDZV_PRIVATE_NETWORK"
+SAFE_RENDEZVOUS_NVRX = Version("0.7")  # its barrier rendezvous keeps the store's state as JSON
+
+
+def refuse_pickling_rendezvous(plan: LaunchPlan, env: Mapping[str, str], version: str | None = None) -> str | None:
+    """NVRx before 0.7 serves ``--rdzv-backend=c10d`` with ``fault_tolerance/_ft_rendezvous.py``,
+    which ``pickle.loads`` the state it reads from node 0's TCP store: anyone who can reach that
+    port runs code in every launcher. On a multi-node job such an NVRx is refused (LaunchError, the
+    same on every node) unless ``RDZV_PRIVATE_NETWORK=1`` says only the job's nodes can reach it
+    (a Kubernetes NetworkPolicy, a Slurm job network or firewall rule: docs/clusters.md). One node
+    (the store on its own host) and NVRx >= 0.7 pass. Returns the refusal for a dry run to print."""
+    if plan.nnodes <= 1 or env.get(PRIVATE_NETWORK_ENV) == "1":
+        return None
+    try:
+        installed = version or importlib.metadata.version("nvidia-resiliency-ext")
+        if Version(installed) >= SAFE_RENDEZVOUS_NVRX:
+            return None
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        installed = version or "(not installed)"
+    return (
+        f"nvidia-resiliency-ext {installed} unpickles the rendezvous state it reads from node 0's store "
+        f"({plan.rdzv_endpoint}), so anyone who can reach that port runs code in every launcher of this "
+        f"{plan.nnodes}-node job; fix: install nvidia-resiliency-ext>=0.7 (the image's), or keep the job on a "
+        f"network only its nodes reach (NetworkPolicy; Slurm: docs/clusters.md#job-network) and set "
+        f"{PRIVATE_NETWORK_ENV}=1"
+    )
 
 
 def refuse_if_excluded(plan: LaunchPlan, rdir: Path, env: Mapping[str, str], act: bool, api: ApiServer | None) -> None:
@@ -374,8 +456,13 @@ def launch(
     launcher = launcher or shutil.which("ft_launcher") or str(Path(sys.executable).with_name("ft_launcher"))
     argv = ft_launcher_argv(plan, config, nproc, max_restarts, ft_config, launcher, extra_sets, stop_timeout)
     check_flags(launcher, argv)
+    unsafe = refuse_pickling_rendezvous(plan, env)
+    if unsafe and not dry_run:
+        raise LaunchError(unsafe)
     child_env = {**env, "NODE_NAME": plan.node_name, "FAILURE_DOMAIN": plan.failure_domain}
     if dry_run:
+        if unsafe:
+            print(f"# a launch would be refused: {unsafe}")
         print(
             f"# {plan.platform}: node {plan.node_rank}/{plan.nnodes}, rendezvous {plan.rdzv_endpoint}, "
             f"node {plan.node_name}, domain {plan.failure_domain}, restarts so far {plan.restart_count}"

@@ -2,16 +2,20 @@
 
 Owns one step of a Kubernetes trainer pod's start: the init container ``node-domain``
 (k8s/base/statefulset.yaml, k8s/jobset/jobset.yaml) asks the API server for its Node (RBAC: ``get
-nodes``, k8s/common/rbac.yaml), takes the first of the configured labels the node carries (default
-EKS's ``topology.k8s.aws/network-node-layer-3``, the network node nearest the instance) and writes
-``<node> <domain>`` into the topology file that ``pretrain launch`` reads (``TOPOLOGY_FILE``; see
-pretrain/commands/launch.py). Pods do not carry their node's labels, so the downward API cannot
-give this.
+nodes``, k8s/common/rbac.yaml) and writes ``<node> <domain>`` into the topology file that
+``pretrain launch`` reads (``TOPOLOGY_FILE``; see pretrain/commands/launch.py). Pods do not carry
+their node's labels, so the downward API cannot give this.
 
-A node without any of the labels refuses in one line naming the node, the labels and the fix:
-silently making each node its own domain would hide a misconfigured node group. It never lists
-nodes (it reads exactly one) and writes nothing but the topology file, atomically. ``--node-json``
-reads a recorded Node instead of the API server (tests, drills, clusters without RBAC for it).
+The domain is a chain, not one value: every configured label the node carries, in order (default
+EKS's ``network-node-layer-3`` then ``-layer-2``), then ``kubernetes.io/hostname=<node>``, e.g.
+``topology.k8s.aws/network-node-layer-3=nn-1,topology.k8s.aws/network-node-layer-2=nn-2,
+kubernetes.io/hostname=ip-1``. Only the trainer sees every node, so it picks the level
+(:func:`tiering.placement.resolve_domains`): a job under one layer-3 switch, or with a node whose
+capacity reservation shows fewer layers, falls back to the next level, then the node, in one
+line. A node carrying none of the labels is therefore not refused: its chain is the node alone,
+and this command says so in its line. It never lists nodes (it reads exactly one) and writes
+nothing but the topology file, atomically. ``--node-json`` reads a recorded Node instead of the
+API server (tests, drills, clusters without RBAC for it).
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.errors import LaunchError
+from pretrain.errors import LaunchError, NodeLaunchError
 
-# The bottom layer of the EC2 network topology for most instance types (EKS user guide, "Place
-# distributed AI/ML workloads with network topology labels"): nodes sharing it share a switch.
-DEFAULT_LABEL = "topology.k8s.aws/network-node-layer-3"
+# The bottom layers of the EC2 network topology for most instance types (EKS user guide, "Place
+# distributed AI/ML workloads with network topology labels"): nodes sharing layer 3 share a switch.
+DEFAULT_LABEL = "topology.k8s.aws/network-node-layer-3,topology.k8s.aws/network-node-layer-2"
+HOSTNAME_LABEL = "kubernetes.io/hostname"  # the last level of every chain: the node itself
 SERVICEACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -96,7 +101,7 @@ class ApiServer:
             raise ApiRefused(f"{method} {url}: HTTP {exc.code} {exc.reason}; fix: {fix}", exc.code) from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise LaunchError(f"{method} {url}: {reason}; fix: check the pod can reach the API server") from exc
+            raise NodeLaunchError(f"{method} {url}: {reason}; fix: check the pod can reach the API server") from exc
 
 
 def read_node_json(path: Path) -> dict[str, Any]:
@@ -107,19 +112,18 @@ def read_node_json(path: Path) -> dict[str, Any]:
 
 
 def domain_of(node: Mapping[str, Any], labels: Sequence[str]) -> tuple[str, str]:
-    """(label, value) of the first of ``labels`` the node carries; LaunchError if it has none."""
+    """(the first of ``labels`` the node carries, or the hostname label; the domain chain: each
+    carried label as ``label=value`` in order, then the node). Never refuses a node for a label."""
     meta = node.get("metadata", {})
     have = meta.get("labels") or {}
-    for label in labels:
-        value = have.get(label, "")
-        if value:
-            return label, value
     name = meta.get("name", "?")
-    raise LaunchError(
-        f"node {name} has no label {' or '.join(labels)}, so its failure domain is unknown; fix: label "
-        f"the node group (kubectl label node {name} {labels[0]}=<domain>) or set FAILURE_DOMAIN_LABEL "
-        "to a label its nodes carry (topology.kubernetes.io/zone, kubernetes.io/hostname)"
-    )
+    chain = [(label, have[label]) for label in labels if have.get(label)]
+    if HOSTNAME_LABEL not in dict(chain):
+        chain.append((HOSTNAME_LABEL, name))
+    for _, value in chain:
+        if not value or any(c in value for c in ",= \t"):
+            raise LaunchError(f"node {name}: label value {value!r} cannot name a domain; fix: relabel the node")
+    return chain[0][0], ",".join(f"{label}={value}" for label, value in chain)
 
 
 def write_topology(path: Path, node: str, domain: str) -> None:
@@ -131,7 +135,7 @@ def write_topology(path: Path, node: str, domain: str) -> None:
 
 
 def labels_from(values: Sequence[str] | None, env: Mapping[str, str]) -> list[str]:
-    """``--label`` values, else ``FAILURE_DOMAIN_LABEL`` (comma-separated, first present wins), else EKS's."""
+    """``--label`` values, else ``FAILURE_DOMAIN_LABEL`` (comma-separated, preferred first), else EKS's."""
     raw = list(values or []) or (env.get("FAILURE_DOMAIN_LABEL") or DEFAULT_LABEL).split(",")
     return [label.strip() for label in raw if label.strip()]
 

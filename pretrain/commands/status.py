@@ -67,7 +67,29 @@ def format_status(run_dir: Path) -> str:
             f"{rec['attempt']:>3}  {rec['status']:<18} {_when(rec.get('started_at')):<19} {steps:<11} {where:<14} "
             f"{'-' if lost is None else lost:>4} {'-' if rto is None else f'{rto:.1f}':>6}  {tail}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + agent_lines(run_dir))
+
+
+def agent_lines(run_dir: Path) -> list[str]:
+    """One line per node's checkpoint agent, from ``agents/<host>.json`` (what it last wrote)."""
+    out = []
+    for path in sorted((run_dir / "agents").glob("*.json")):
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            out.append(f"agent {path.stem}: unreadable status {path}: {exc}")
+            continue
+        newest = {r: (v.get("persisted") or ["-"])[0] for r, v in sorted(body.get("ranks", {}).items())}
+        current = body.get("current")
+        busy = f"persisting rank {current['rank']} step {current['step']}" if current else "idle"
+        if current and body.get("current_since"):
+            busy += f" for {max(0.0, body['updated'] - body['current_since']):.1f}s"
+        out.append(
+            f"agent {body.get('host', path.stem)} (pid {body.get('pid')}, at {_when(body.get('updated'))}): {busy}; "
+            f"queued {body.get('queued', [])}; newest tier-1 step by rank {newest}"
+            + (f"; last error: {body['last_error']}" if body.get("last_error") else "")
+        )
+    return out
 
 
 def status_json(run_dir: Path) -> str:

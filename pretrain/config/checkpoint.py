@@ -184,6 +184,21 @@ class MemoryTierConfig:
 
 
 @dataclass
+class AgentConfig:
+    """The node's checkpoint agent (YAML key ``checkpoint.agent``): with tier 0 on, tier 1 is
+    persisted by one agent process per run per node from the sealed tier-0 slots, so no tier-1
+    storage call runs in a training process after its restore (docs/checkpoints.md, "The agent")."""
+
+    enabled: bool = False  # tier 1 through the agent (needs checkpoint.memory.enabled)
+    timeout_s: float = 2.0  # a rank's request to the agent: past it the agent counts as gone
+    idle_exit_s: float = 60.0  # the agent exits once no rank was connected and nothing queued this long
+
+    def check(self, fail: Fail) -> None:
+        if self.timeout_s <= 0 or self.idle_exit_s <= 0:
+            fail("timeout_s", "timeout_s and idle_exit_s must be > 0", "use the defaults (2 and 60)")
+
+
+@dataclass
 class CheckpointConfig:
     local: LocalTierConfig = field(default_factory=LocalTierConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
@@ -192,6 +207,7 @@ class CheckpointConfig:
     async_: AsyncSaveConfig = field(default_factory=AsyncSaveConfig)  # YAML: async
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)  # tier 0
+    agent: AgentConfig = field(default_factory=AgentConfig)  # tier 1 persisted by the node's agent
     # A save that fails (writer died, disk full, ...): log it and train on, or stop the job.
     on_save_error: Literal["continue", "stop"] = "continue"
     load: bool = True  # restore on start (False: always start from step 0)
@@ -207,6 +223,15 @@ class CheckpointConfig:
         self.async_.check(fail.within("async"))
         self.integrity.check(fail.within("integrity"))
         self.memory.check(fail.within("memory"))
+        self.agent.check(fail.within("agent"))
+        if self.agent.enabled and self.local.enabled:
+            if not self.memory.enabled:
+                fail("agent.enabled", "the agent persists tier 0's snapshots, but tier 0 is off",
+                     "set checkpoint.memory.enabled=true or checkpoint.agent.enabled=false")  # fmt: skip
+            elif self.local.interval % self.memory.interval:
+                fail("agent.enabled", f"tier 1's interval {self.local.interval} is not a multiple of tier 0's "
+                     f"{self.memory.interval}: the agent persists steps tier 0 holds",
+                     "make checkpoint.local.interval a multiple of checkpoint.memory.interval")  # fmt: skip
         if self.s3.uri is not None and not self.reshardable.enabled:
             fail(
                 "s3.uri",

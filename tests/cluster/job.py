@@ -41,6 +41,9 @@ def node_env(cluster: Cluster, index: int, run_id: str, nnodes: int) -> dict[str
         LOCAL_NVME=str(node.nvme),
         FAILURE_DOMAIN=node.domain,
         RUN_ID=run_id,
+        # The netns bridge reaches only this machine's nodes: a private job network, so NVRx 0.4.1's
+        # pickled rendezvous is allowed (pretrain launch refuses it otherwise).
+        RDZV_PRIVATE_NETWORK="1",
     )
     return env
 

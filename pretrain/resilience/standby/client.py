@@ -1,6 +1,7 @@
 """The rank's stand-in towards the launcher, when a standby server is beside it.
 
-``python -m pretrain`` calls :func:`forward` before importing anything heavy. If the environment
+``python -m pretrain`` and the ``pretrain`` console script (``pretrain.cli.main``) call
+:func:`forward` before importing anything heavy. If the environment
 names a server and it answers, this process hands over its command line, environment, directory
 and standard streams, and from then on stands for the forked rank: signals it receives go to the
 rank, and it ends as the rank ended (same exit code, or killed by the same signal), so the
