@@ -16,7 +16,6 @@ from pretrain.checkpointing.memory_budget import (
     RankNeed,
     cgroup_free_bytes,
     host_memory_per_node,
-    largest_storage_bytes,
     missing_moment_bytes,
     node_budget,
     node_memory_bytes,
@@ -54,12 +53,6 @@ def test_moments_are_counted_through_megatron_style_wrappers() -> None:
     a = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(100))])
     b = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(50))])
     assert missing_moment_bytes(Chained(Distributed(a), Distributed(b))) == 2 * 4 * 150
-
-
-def test_the_largest_storage_is_what_one_host_copy_holds() -> None:
-    buffer = torch.zeros(4096)
-    payload = {"model": {"w": buffer[:10], "b": torch.zeros(3)}, "opt": [torch.zeros(100, dtype=torch.float64)]}
-    assert largest_storage_bytes(payload) == 4096 * 4  # a view holds its whole storage
 
 
 # (ranks, slots, room, refused_by, tmpfs_need_gib, memory_need_gib)
@@ -196,7 +189,7 @@ def test_the_70b_host_memory_per_node_by_tier() -> None:
     rows = dict(host_memory_per_node(host_layout(cfg, size, 8, gpu=True)))
     state, n = size.state_bytes_per_rank, size.params_per_rank
     assert rows["tier 0 tmpfs: 3 slots x (own + 1 peer)"] == 3 * 2 * (state + (4 << 20)) * 8
-    assert rows["tier 0 host copy of the largest storage (storage.cpu())"] == n * 2 * 8
+    assert rows["tier 0 pinned arena (its GPU copy)"] == rows["tier 1 pinned arena"] == state * 8
     assert rows["fully reshardable save/load peak"] == 20 * n * 8
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total")
     assert 800e9 < rows["total"] < 900e9
@@ -231,8 +224,8 @@ def test_pretrain_plan_prints_host_memory_per_node_by_tier(config: str, nodes: i
     assert block[0].strip().startswith(tier0)
     names = [line.strip().rsplit("  ", 1)[0].strip() for line in block[:6]]
     assert names[1:] == [
-        "tier 0 host copy of the largest storage (storage.cpu())",
-        "tier 1 pinned snapshot buffers",
+        "tier 0 pinned arena (its GPU copy)",
+        "tier 1 pinned arena",
         "fully reshardable save/load peak",
         "ranks' own RSS and the standby server",
         "total",

@@ -248,8 +248,9 @@ def test_a_server_that_initialised_the_cuda_driver_is_unsafe_to_fork_and_one_tha
     assert cuda_driver_loaded(gpu_maps) and not cuda_driver_loaded(cpu_maps)
     initialised = fork_hazard(gpu_maps, driver_initialised=lambda: True)
     assert initialised is not None and "cuInit" in initialised
-    assert fork_hazard(gpu_maps, driver_initialised=lambda: False) is None
-    assert fork_hazard(cpu_maps, driver_initialised=lambda: True) is None  # no driver mapped: never asked
+    # (threads other tests of this pytest process started may be named instead: not CUDA)
+    assert "CUDA" not in (fork_hazard(gpu_maps, driver_initialised=lambda: False) or "")
+    assert "CUDA" not in (fork_hazard(cpu_maps, driver_initialised=lambda: True) or "")  # no driver mapped
     assert "CUDA" not in (fork_hazard() or ""), "this CPU machine's pytest has no CUDA driver loaded"
 
 

@@ -15,8 +15,8 @@ What counts (issue 45 #9):
   or torch AdamW under Megatron's DistributedOptimizer) creates ``exp_avg``/``exp_avg_sq`` lazily,
   so a state sized before the first step lacks 2/3 of the optimizer shard;
 * ``slots x (own + peer)`` in the tmpfs, for every rank of the node that shares it;
-* on CUDA, host memory outside the tmpfs: the host copy a write of live CUDA tensors makes of its
-  largest storage (``storage.cpu()``) and the pinned snapshot buffers tier 1 holds for life;
+* on CUDA, host memory outside the tmpfs: the pinned arenas tier 0 and tier 1 copy a snapshot into
+  (exact size, one per dtype, held for the process's life);
 * NCCL's and PyTorch's own ``/dev/shm`` use when tier 0 lives in ``/dev/shm`` (reserved per rank);
 * the limit: the tmpfs's free space plus what tier 0 already holds there, and the cgroup's
   ``memory.max - memory.current`` (tmpfs pages are charged to the job's cgroup: going over is an
@@ -54,22 +54,6 @@ def missing_moment_bytes(optimizer: Any) -> int:
                 have = inner.state.get(p, {})
                 missing += sum(p.numel() * MOMENT_BYTES for key in ADAM_MOMENTS if key not in have)
     return missing
-
-
-def largest_storage_bytes(payload: Any) -> int:
-    """The largest tensor storage in a payload (what one ``storage.cpu()`` copies at once)."""
-    biggest, stack = 0, [payload]
-    while stack:
-        v = stack.pop()
-        if hasattr(
-            v, "untyped_storage"
-        ):  # a torch.Tensor (torch is not imported here: `pretrain plan` uses this module)
-            biggest = max(biggest, v.untyped_storage().nbytes())
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list | tuple):
-            stack.extend(v)
-    return biggest
 
 
 def _cgroup_limit_usage(root: Path) -> tuple[int, int] | None:
@@ -110,8 +94,8 @@ def cgroup_free_bytes(root: Path = Path("/")) -> int | None:
 class RankNeed:
     own_bytes: int  # this rank's tier-0 payload after its first step
     peer_bytes: int = 0  # the states of the ranks whose copies it holds (each after its first step)
-    transient_bytes: int = 0  # host copy of the largest storage during a write (CUDA only)
-    pinned_bytes: int = 0  # pinned snapshot buffers held for life (CUDA only)
+    transient_bytes: int = 0  # host memory a write takes while it runs
+    pinned_bytes: int = 0  # pinned snapshot arenas held for life (CUDA only)
 
 
 @dataclass(frozen=True)
@@ -180,7 +164,6 @@ def _gib(n: int) -> str:
 
 # Per-node host memory by tier (``pretrain plan`` and the start-up refusal), from the layout alone.
 SLOT_SLACK = 4 * 1024 * 1024  # pickle framing per slot (as PAYLOAD_SLACK_BYTES)
-PINNED_ROUNDING = 4 / 3  # torch's CachingHostAllocator rounds each tensor to a power of two: 1-2x, ~1.3x on 70B
 RESHARDABLE_BYTES_PER_PARAM = 20  # fully reshardable DistOpt gather: 3 fp32 world tensors + copies (~44 GB for 2.2e9)
 RANK_RSS_BYTES = 10 * 10**9  # a GPU rank's own RSS (torch, Megatron, NCCL, data) beside its checkpoints
 SERVER_RSS_BYTES = 10 * 10**9  # the standby server (one per node)
@@ -209,14 +192,8 @@ def host_memory_per_node(x: Layout) -> list[tuple[str, int]]:
             f"tier 0 tmpfs: {x.tier0_slots} slots x (own + {x.peer_copies} peer)" if x.tier0_slots else "tier 0 (off)",
             x.tier0_slots * (1 + x.peer_copies) * (x.state_bytes_per_rank + SLOT_SLACK) * n,
         ),
-        (
-            "tier 0 host copy of the largest storage (storage.cpu())",
-            x.params_per_rank * x.weight_bytes * n if x.tier0_slots and x.gpu else 0,
-        ),
-        (
-            "tier 1 pinned snapshot buffers",
-            int(x.state_bytes_per_rank * PINNED_ROUNDING) * n if x.tier1_background and x.gpu else 0,
-        ),
+        ("tier 0 pinned arena (its GPU copy)", x.state_bytes_per_rank * n if x.tier0_slots and x.gpu else 0),
+        ("tier 1 pinned arena", x.state_bytes_per_rank * n if x.tier1_background and x.gpu else 0),
         (
             "fully reshardable save/load peak",
             RESHARDABLE_BYTES_PER_PARAM * x.params_per_rank * n if x.reshardable_gather else 0,

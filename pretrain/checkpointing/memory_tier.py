@@ -47,7 +47,6 @@ from pretrain.checkpointing.memory_budget import (
     NodeRoom,
     RankNeed,
     cgroup_free_bytes,
-    largest_storage_bytes,
     missing_moment_bytes,
     node_budget,
 )
@@ -361,7 +360,7 @@ class MemoryTier:
         # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
         own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
         cuda = torch.cuda.is_available()
-        host = (largest_storage_bytes(payload), own) if cuda else (0, 0)  # storage.cpu() copy; pinned buffers
+        host = (0, 2 * own) if cuda else (0, 0)  # pinned arenas: tier 0's own and tier 1's (exact size)
         owners = self.peers.owners_held if self.peers is not None else []
         held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
         on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's

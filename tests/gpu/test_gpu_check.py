@@ -212,7 +212,8 @@ def test_a_job_restarts_in_process_and_under_its_launcher_from_tier0_with_ranks_
 ) -> None:
     """ft_launcher + rank monitor + standby + NVRx's Wrapper + tier 0 every step (every GPU: DP > 1
     with two or more, see tests/gpu/resilience_driver.py): an exception restarts in the same
-    processes from tier 0's step before it; a SIGKILL restarts the rank (a fork again) from tier 0."""
+    processes from tier 0's step before it; a SIGKILL from outside restarts the rank (a fork again)
+    from tier 0, losing at most one step."""
     out = workdir / "resilience.json"
     cmd = [
         sys.executable,
@@ -231,5 +232,7 @@ def test_a_job_restarts_in_process_and_under_its_launcher_from_tier0_with_ranks_
     assert len(result["restores"]) == 2, result["restores"]
     assert (inprocess["tier"], inprocess["step"]) == ("memory", result["raise_step"] - 1), inprocess
     assert result["starts"][0]["pids"] == result["starts"][1]["pids"], "the in-process restart kept its processes"
-    assert relaunch["tier"] == "memory" and result["kill_step"] - 2 <= relaunch["step"] <= result["kill_step"], relaunch
+    assert result["killer_error"] is None and result["killed_after_step"] is not None, result["killer_error"]
+    lost = result["killed_after_step"] - relaunch["step"]
+    assert relaunch["tier"] == "memory" and lost in (0, 1), (relaunch, result["killed_after_step"])
     assert result["starts"][-1]["pids"] != result["starts"][0]["pids"], "the SIGKILL restarted the rank"
