@@ -22,6 +22,7 @@ from pretrain.resilience.standby.wire import SHARED_ENV
 from tests.shared_standby import address as shared_standby_address
 from tiering.layout import RunLayout
 from tiering.publish import ReceivedStep
+from tiering.run_key import RunKey
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -276,3 +277,7 @@ def two_gloo_ranks(scenario: Callable[[int, Path], dict[str, Any]], root: Path) 
     rank's JSON result, in rank order."""
     mp.spawn(_gloo_rank, args=(scenario, str(root), free_port()), nprocs=2, join=True)
     return tuple(json.loads((root / f"result-{r}.json").read_text()) for r in range(2))
+
+
+# The run key of in-test gloo ranks (the same on every rank, as a run's key file makes it).
+TEST_KEY = RunKey(b"resilient-pretrain-test-run-key!")

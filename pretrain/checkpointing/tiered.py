@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
+from pretrain.checkpointing.run_key_source import load_run_key
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.config import Config, s3_owner
@@ -61,12 +62,13 @@ class TieredCheckpointer:
         # The lease first: a job that may not write this run fails before anything else starts.
         self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
         if cfg.checkpoint.local.enabled:
+            self._run_key = load_run_key(cfg, coll)  # tags every transfer between ranks
             # Replication gets its own gloo group so that its waits are bounded independently of
             # the training group (which may be NCCL on GPUs).
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=cfg.checkpoint.replication.timeout_s)
             )
-            transport = Transport(group, cfg.checkpoint.replication.timeout_s)
+            transport = Transport(group, cfg.checkpoint.replication.timeout_s, key=self._run_key)
             self.local = build_per_rank_checkpoints(
                 cfg, coll, attempt, topology, transport, TorchCollective(group), record_event, phases
             )
@@ -84,7 +86,7 @@ class TieredCheckpointer:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=rep.timeout_s))
         node = {i.rank: i.node for i in self.local.identities}
         holders = {o: [h for h in hs if node[h] != node[o]] for o, hs in self.local.holders.items()}
-        self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE))
+        self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE, key=self._run_key))
 
     def _open_remote(self) -> RemoteTier:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
