@@ -56,6 +56,10 @@ class RunKeyError(TieringError):
     """The run key file is missing, unreadable, too short, or readable by others (one line, the fix)."""
 
 
+class UnsafeDirectory(TieringError):
+    """A private directory is a symlink, not a directory, or another user's (one line, the fix)."""
+
+
 class LeaseError(CheckpointError):
     """Another identity owns this run's prefix."""
 

@@ -52,11 +52,12 @@ from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
-from tiering.errors import PublishError, TieringError
+from tiering.errors import PublishError, TieringError, UnsafeDirectory
 from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
+from tiering.private_dir import private_dir
 from tiering.publish import PosixStepPublisher
 from tiering.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
 from tiering.transport import Transport
@@ -128,6 +129,10 @@ class PerRankCheckpoints:
         self.keep = cfg.checkpoint.local.keep
         self.run_id = cfg.run.id
         self.node_root = Path(cfg.checkpoint.local.dir) / cfg.run.id
+        try:
+            private_dir(self.node_root)  # 0700, ours, not a symlink: tier 1 holds the model
+        except UnsafeDirectory as exc:
+            raise ConfigError(f"{cfg.source}: checkpoint.local.dir: {exc}") from exc
         self.store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
         integrity = cfg.checkpoint.integrity
         self.hashing = HashSpec(integrity.local_hash, integrity.chunk_bytes, integrity.hash_threads)
