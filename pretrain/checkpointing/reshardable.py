@@ -46,6 +46,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pretrain.checkpointing import dcp_metadata
 from pretrain.checkpointing.async_writer import killed_by_signal
 from pretrain.checkpointing.shared_health import SharedStorageHealth, WriteWatch
 from pretrain.checkpointing.shared_storage import check_shared
@@ -348,7 +349,7 @@ class ReshardableCheckpoints:
         t0 = time.perf_counter()
         if self.phases is not None:
             self.phases.enter("verify")
-        selection = select_newest_verified(self.tier, self.coll, newer_than, rejected)
+        selection = select_newest_verified(self.tier, self.coll, newer_than, rejected, check=dcp_metadata.check_step)
         verify_s = time.perf_counter() - t0
         if selection is None:
             return None
@@ -375,6 +376,7 @@ class ReshardableCheckpoints:
         # A load template, as Megatron's own loader asks for it (megatron/training/checkpointing.py,
         # core_r0.19.0 L2280): the DistributedOptimizer allocates its state for it first.
         optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable", is_loading=True)
+        dcp_metadata.install()  # DCP's own read of .metadata: the restricted unpickler too
         loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optim_sd}, str(path / "model"))
         state.model.load_state_dict(loaded["model"], strict=True)
         state.optimizer.load_sharded_state_dict(loaded["optimizer"])
