@@ -142,10 +142,20 @@ class PosixTier:
             out.add(step)
         return out
 
-    def make_room(self) -> list[int]:
-        """A full volume: drop every step but the newest verified one (and pinned ones), oldest
-        first; returns the steps deleted. The next save then needs room for one step beside it."""
-        return self.apply_retention(policy=KeepNewest(1))
+    def make_room(self, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """A full volume: drop every step but the newest verified one (and pinned and ``protected``
+        ones), oldest first; returns the steps deleted. The newest step whose every byte verifies is
+        kept too (a newer one whose manifest reads but whose bytes are torn does not stand in for
+        it). The next save then needs room for one step beside it."""
+        keep = set(protected)
+        for step in self.committed_steps():  # newest first
+            try:
+                self.verify(step)
+            except VerificationError:
+                continue
+            keep.add(step)
+            break
+        return self.apply_retention(protected=keep, policy=KeepNewest(1))
 
     def apply_retention(
         self, protected: set[int] | frozenset[int] = frozenset(), policy: RetentionPolicy | None = None
