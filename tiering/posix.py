@@ -46,9 +46,17 @@ class PosixTier:
     """
 
     def __init__(
-        self, root: Path | str, dirname: str, keep: int = 3, *, run_id: str | None = None, name: str = "local"
+        self,
+        root: Path | str,
+        dirname: str,
+        keep: int = 3,
+        *,
+        run_id: str | None = None,
+        name: str = "local",
+        expect_hash: str | None = None,
     ) -> None:
         self.layout = RunLayout(Path(root), dirname)
+        self.expect_hash = expect_hash  # the one digest this tier's steps may use (None: any known one)
         self.policy: RetentionPolicy = KeepNewest(keep)
         self.run_id = run_id or dirname
         self.name = name
@@ -84,7 +92,9 @@ class PosixTier:
 
     # -- verification ------------------------------------------------------------------------
     def verify(self, step: int, shard: tuple[int, int] = (0, 1)) -> Manifest:
-        return verify_step(self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard)
+        return verify_step(
+            self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard, expect_hash=self.expect_hash
+        )
 
     def quarantine(self, step: int, reason: str) -> Path | None:
         """Move ``step-N`` to ``quarantine/`` with a reason file; never delete it."""

@@ -102,7 +102,9 @@ class ReshardableCheckpoints:
         self.phases = phases
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
-        self.tier = PosixTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
+        self.tier = PosixTier(
+            directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name, expect_hash=PORTABLE_HASH
+        )
         # What S3 receives carries a cryptographic digest (blake3); each rank hashes its share of
         # the files Megatron wrote at commit, on at most hash_threads threads.
         integrity = cfg.checkpoint.integrity
