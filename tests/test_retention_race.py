@@ -9,6 +9,8 @@ path; the other rank is a collective that reports that rank's failed commit for 
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from pretrain.checkpointing.per_rank import build_per_rank_checkpoints
 from tests.test_restore_selection import _cfg, _state, _train_to
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError
-from tiering.posix import PosixTier
+from tiering.posix import QUARANTINE_KEEP_S, PosixTier
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.run_key import RunKey
 from tiering.transport import Transport
@@ -78,3 +80,22 @@ def test_make_room_keeps_the_newest_step_whose_bytes_verify(tmp_path: Path) -> N
     torn.write_bytes(b"\0" * 4096)  # its manifest still reads: only hashing tells
     assert tier.make_room() == [10]
     assert tier.committed_steps() == [30, 20], "the intact step 20 is kept beside the torn newest"
+
+
+def test_quarantined_steps_are_reclaimed_after_the_bounded_time_and_first_when_the_disk_is_full(
+    tmp_path: Path,
+) -> None:
+    tier = PosixTier(tmp_path, "r", keep=3)
+    for step in (10, 20, 30):
+        pub = PosixStepPublisher(tier.layout, SingleProcess(), f"w{step}")
+        tmp = pub.begin(step)
+        (tmp / "state.pt").write_bytes(bytes([step]) * 4096)
+        pub.commit(tmp, manifest_for("r", step, 1, {"tp": 1}))
+    old, fresh = tier.quarantine(10, "bad bytes"), tier.quarantine(20, "bad bytes")
+    assert old is not None and fresh is not None
+    aged = time.time() - QUARANTINE_KEEP_S - 60
+    os.utime(old.with_name(old.name + ".reason.txt"), (aged, aged))
+    tier.apply_retention()
+    assert not old.exists() and fresh.exists(), "only what was quarantined longer than the bound is reclaimed"
+    tier.make_room()
+    assert not fresh.exists() and tier.committed_steps() == [30], "a full volume drops quarantine first"

@@ -24,6 +24,8 @@ from tiering.verify import read_manifest, verify_step
 
 log = logging.getLogger(__name__)
 
+QUARANTINE_KEEP_S = 3 * 24 * 3600.0  # how long a quarantined step is kept as evidence
+
 
 @dataclass
 class StepStatus:
@@ -97,7 +99,8 @@ class PosixTier:
         )
 
     def quarantine(self, step: int, reason: str) -> Path | None:
-        """Move ``step-N`` to ``quarantine/`` with a reason file; never delete it."""
+        """Move ``step-N`` to ``quarantine/`` with a reason file (reclaimed after
+        ``QUARANTINE_KEEP_S``, or at once when the volume is full: :meth:`reclaim_quarantine`)."""
         src = self.layout.step_dir(step)
         if not src.exists():
             return None
@@ -112,6 +115,26 @@ class PosixTier:
         return dst
 
     # -- housekeeping ------------------------------------------------------------------------
+    def reclaim_quarantine(self, older_than_s: float = QUARANTINE_KEEP_S) -> list[str]:
+        """Delete quarantined steps whose reason file is older than ``older_than_s`` (the evidence
+        is kept that long); returns their names."""
+        qdir = self.layout.quarantine_dir
+        if not qdir.is_dir():
+            return []
+        gone = []
+        now = time.time()
+        for reason in sorted(qdir.glob("*.reason.txt")):
+            try:
+                if now - reason.stat().st_mtime < older_than_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            moved = reason.with_name(reason.name.removesuffix(".reason.txt"))
+            shutil.rmtree(moved, ignore_errors=True)
+            reason.unlink(missing_ok=True)
+            gone.append(moved.name)
+        return gone
+
     def clean_stale_tmp(self, current_attempt: str) -> list[Path]:
         """Remove temporary step directories of earlier attempts (their writers are gone)."""
         removed = []
@@ -157,6 +180,8 @@ class PosixTier:
         ones), oldest first; returns the steps deleted. The newest step whose every byte verifies is
         kept too (a newer one whose manifest reads but whose bytes are torn does not stand in for
         it). The next save then needs room for one step beside it."""
+        for name in self.reclaim_quarantine(0.0):  # evidence goes before any committed step
+            log.warning("%s: quarantined %s deleted to make room", self.layout.quarantine_dir, name)
         keep = set(protected)
         for step in self.committed_steps():  # newest first
             try:
@@ -184,6 +209,7 @@ class PosixTier:
                 verified.append(step)
             except VerificationError:
                 continue
+        self.reclaim_quarantine()
         doomed = (policy or self.policy).deletable(verified, protected)
         for step in doomed:
             path = self.layout.step_dir(step)
