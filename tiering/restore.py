@@ -29,6 +29,7 @@ def select_newest_verified(
     newer_than: int = -1,
     rejected: list[tuple[int, str]] | None = None,
     check: Callable[[Path], None] | None = None,
+    exclude: frozenset[int] = frozenset(),
 ) -> Selection | None:
     """Collective: return the newest step of ``tier`` newer than ``newer_than`` that verifies on
     every rank, or None. Rejections are appended to ``rejected`` when given.
@@ -37,9 +38,12 @@ def select_newest_verified(
     of each candidate's files in parallel; a step any rank rejects is quarantined by rank 0 with
     the first reason and the scan falls back to the next older step. ``check(step_dir)``, run by
     rank 0 once the bytes verified, may reject a step too (VerificationError): the reader's own
-    check of what it is about to load (DCP metadata read without running code).
+    check of what it is about to load (DCP metadata read without running code). Steps in
+    ``exclude`` (suspects: they restored to a non-finite loss) are never candidates (rank 0's set
+    decides, so every rank scans the same list).
     """
-    candidates: list[int] = coll.broadcast(tier.step_dirs() if coll.rank == 0 else None)
+    listed = [s for s in tier.step_dirs() if s not in exclude] if coll.rank == 0 else None
+    candidates: list[int] = coll.broadcast(listed)
     rejected = [] if rejected is None else rejected
     for step in (s for s in candidates if s > newer_than):
         reason = None

@@ -344,14 +344,21 @@ class ReshardableCheckpoints:
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(
-        self, state: TrainingState, newer_than: int = -1, rejected: list[tuple[int, str]] | None = None
+        self,
+        state: TrainingState,
+        newer_than: int = -1,
+        rejected: list[tuple[int, str]] | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> RestoreResult | None:
         """Collective: load the newest verified step newer than ``newer_than`` into ``state``; None
-        if there is none (rejections are appended to ``rejected`` when given)."""
+        if there is none (rejections are appended to ``rejected`` when given). Steps in ``exclude``
+        (the run's suspects) are never loaded."""
         t0 = time.perf_counter()
         if self.phases is not None:
             self.phases.enter("verify")
-        selection = select_newest_verified(self.tier, self.coll, newer_than, rejected, check=dcp_metadata.check_step)
+        selection = select_newest_verified(
+            self.tier, self.coll, newer_than, rejected, check=dcp_metadata.check_step, exclude=exclude
+        )
         verify_s = time.perf_counter() - t0
         if selection is None:
             return None

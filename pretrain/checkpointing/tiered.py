@@ -300,7 +300,12 @@ class TieredCheckpointer:
         if self._staging is not None:
             # Only a step newer than the tier 1-2 one is worth a reshardable load; at equal steps
             # the per-rank copy is faster and carries every rank's exact state.
-            result = self._staging.restore(state, newer_than=peer.step if peer else -1, rejected=rejected)
+            result = self._staging.restore(
+                state,
+                newer_than=peer.step if peer else -1,
+                rejected=rejected,
+                exclude=frozenset(self.suspect_steps()) if self.coll.rank == 0 else frozenset(),
+            )
             self._unusable.extend(reason for _, reason in rejected)
             if result is not None:
                 result.notes = notes
