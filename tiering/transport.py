@@ -414,8 +414,12 @@ class Transport:
         checker = ChunkChecker()
         inflight: list[tuple[list[tuple[int, Any]], list[Future[ChunkFailure | None]]]] = [([], [])] * SEND_SLOTS
         fds = [_open_or_fail(payload, i) for i in range(len(payload.names))]
+        deadline = _deadline({"files": files}, self.timeout)
         try:
             for n, (tag, (index, start, length)) in enumerate(_tagged(plan_pieces(files))):
+                if time.monotonic() > deadline:  # a receiver that takes pieces too slowly: give up on it
+                    for dst in dsts:
+                        errors.setdefault(dst, f"the transfer passed its deadline after {n} pieces")
                 if all(dst in errors for dst in dsts):
                     break  # nobody left to send to
                 slot = n % SEND_SLOTS
