@@ -62,11 +62,14 @@ from tiering.page_cache import ReadAhead, cached_bytes, evict
 from tiering.peer_restore import PeerRecovery
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.replication import primary_store, replica_store
+from tiering.run_key import RunKey
 from tiering.transport import PIECE, SEND_SLOTS, Transport
 from tiering.verify import VERIFY_THREADS, verify_step
 
 STATE = "state.pt"
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+
+BENCH_KEY = RunKey(b"bench-run-key-" * 3)  # the same on every rank: benches measure, they guard nothing
 
 
 def make_state(mb: int) -> dict[str, Any]:
@@ -298,7 +301,7 @@ class _PeerBench:
         self.rank, self.root = rank, root
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
         self.coll = TorchCollective()
-        self.transport = Transport(self.group, 600)
+        self.transport = Transport(self.group, 600, key=BENCH_KEY)
         self.node_root = root / f"node-{rank}"
         self.replica = replica_store(root / "node-0", 1, "run", 3).step_path(10)
         if rank == 0:

@@ -27,9 +27,12 @@ from tiering.peer_restore import PeerRecovery
 from tiering.placement import RankIdentity, replica_holders
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.replication import PeerReplicator, primary_store
+from tiering.run_key import RunKey
 from tiering.transport import Transport
 
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+
+BENCH_KEY = RunKey(b"bench-run-key-" * 3)  # the same on every rank: benches measure, they guard nothing
 
 
 def raw_durable_write(path: Path, nbytes: int) -> float:
@@ -53,7 +56,7 @@ def worker(rank: int, world: int, root: str, mb: int, repeats: int, port: int, o
     coll = TorchCollective()
     node_root = Path(root) / f"node-{rank}" / "run"  # one "node" per rank: separate local roots
     holders = replica_holders([RankIdentity(r, f"node-{r}", f"rack-{r}") for r in range(world)], 2, False)
-    transport = Transport(group, 600)
+    transport = Transport(group, 600, key=BENCH_KEY)
     state = {"weights": torch.randn(mb * 1024 * 1024 // 4)}
     rows = []
     for i in range(repeats):

@@ -1,8 +1,10 @@
+import os
 import sys
 
 from pretrain.resilience.standby.client import forward
 
 if __name__ == "__main__":
+    os.umask(0o077)  # every file a rank (and its writers) makes is private: checkpoints are the model
     # Under a launcher with a standby server beside it, the rank is forked there (already imported).
     code = forward("pretrain")
     if code is None:

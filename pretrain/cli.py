@@ -431,6 +431,7 @@ def run(argv: list[str] | None = None) -> int:
     """The command ``argv`` (default: this process's command line) in this process."""
     # torch warns about a deprecated pynvml on every import: noise for CLI users.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    os.umask(0o077)  # what this command and every process it starts writes is private to the user
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

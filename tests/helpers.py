@@ -22,6 +22,7 @@ from pretrain.resilience.standby.wire import SHARED_ENV
 from tests.shared_standby import address as shared_standby_address
 from tiering.layout import RunLayout
 from tiering.publish import ReceivedStep
+from tiering.run_key import RunKey
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -332,3 +333,7 @@ def process_ended(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (FileNotFoundError, IndexError):
         return True
+
+
+# The run key of in-test gloo ranks (the same on every rank, as a run's key file makes it).
+TEST_KEY = RunKey(b"resilient-pretrain-test-run-key!")

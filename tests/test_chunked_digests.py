@@ -36,6 +36,7 @@ from tiering.peer_restore import PeerRecovery
 from tiering.publish import publish_received
 from tiering.remote import RemoteTier
 from tiering.replication import primary_store, replica_store
+from tiering.run_key import RunKey
 from tiering.transport import Transport
 from tiering.verify import verify_step
 
@@ -114,7 +115,8 @@ def test_a_chunk_is_hashed_alike_from_a_cold_disk_and_from_the_page_cache(tmp_pa
 def _recover(node_root: Path) -> tuple[int | None, str | None, list[str]]:
     """The real tier 1-2 restore path of a one-rank job on one node."""
     topology = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
-    recovery = PeerRecovery(RUN, 0, 1, "node-a", node_root, SingleProcess(), Transport(None, 5), topology, 3, "r1")
+    transport = Transport(None, 5, key=RunKey.generate())
+    recovery = PeerRecovery(RUN, 0, 1, "node-a", node_root, SingleProcess(), transport, topology, 3, "r1")
     result = recovery.recover()
     restore = result.restore
     return (restore.step, restore.tier, result.rejected) if restore else (None, None, result.rejected)

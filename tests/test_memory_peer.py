@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.config import load_config
-from tests.helpers import TINY, flip_byte, two_gloo_ranks
+from tests.helpers import TEST_KEY, TINY, flip_byte, two_gloo_ranks
 from tiering.collective import TorchCollective
 from tiering.digest import HashSpec
 from tiering.manifest import Manifest
@@ -38,7 +38,7 @@ def _tier(rank: int, root: Path) -> MemoryTier:
     node = root / f"node-{rank}"
     cfg = load_config(TINY, ["run.id=r", f"checkpoint.memory.dir={node}", "checkpoint.memory.enabled=true"])
     tier = MemoryTier(cfg, TorchCollective(), "a1", TOPOLOGY)
-    tier.attach_peers({0: [1], 1: [0]}, Transport(dist.group.WORLD, 20, piece=4 * HASHING.chunk_bytes))
+    tier.attach_peers({0: [1], 1: [0]}, Transport(dist.group.WORLD, 20, piece=4 * HASHING.chunk_bytes, key=TEST_KEY))
     return tier
 
 

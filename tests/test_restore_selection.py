@@ -32,6 +32,7 @@ from tiering.layout import RunLayout
 from tiering.manifest import COMMITTED_NAME
 from tiering.remote import RemoteTier
 from tiering.replication import replica_store
+from tiering.run_key import RunKey
 from tiering.transport import Transport
 
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
@@ -62,7 +63,7 @@ def _state(cfg: Config) -> TrainingState:
 
 def _tiers(cfg: Config, attempt: str = "a0", topology: dict[str, int] = TOPOLOGY) -> PerRankCheckpoints:
     # The real transport: a rank with no peers opens no connection.
-    transport = Transport(None, cfg.checkpoint.replication.timeout_s)
+    transport = Transport(None, cfg.checkpoint.replication.timeout_s, key=RunKey.generate())
     tiers = build_per_rank_checkpoints(cfg, SingleProcess(), attempt, dict(topology), transport, SingleProcess())
     tiers.prepare()
     return tiers

@@ -13,6 +13,7 @@ import torch
 
 from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, read_jsonl, torchrun
+from tiering import remote_gc
 from tiering.collective import SingleProcess
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
@@ -247,9 +248,22 @@ def test_gc_marks_then_deletes_and_keeps_what_it_must(remote_uri: tuple[str, str
     assert remote.committed_steps() == [70, 60, 50, 40, 30, 20, 10], "dry run deletes nothing"
     first = remote.gc(keep=2, milestone_every=50, dry_run=False)
     assert first.deleted == [] and remote.committed_steps() == [70, 60, 50, 40, 30, 20, 10], "first pass only marks"
-    second = remote.gc(keep=2, milestone_every=50, dry_run=False)
+    soon = remote.gc(keep=2, milestone_every=50, dry_run=False)
+    assert soon.deleted == [] and len(remote.committed_steps()) == 7, "a mark younger than the minimum age waits"
+    second = remote_gc.gc(remote, keep=2, milestone_every=50, dry_run=False, min_age_s=0)
     assert second.deleted == [10, 30, 40]
     assert remote.committed_steps() == [70, 60, 50, 20]
+
+
+def test_gc_never_counts_a_suspect_step_as_verified(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:
+    remote = _remote(*remote_uri)
+    remote.acquire_lease("me")
+    for step in (10, 20, 30, 40):
+        remote.upload_step(make_step(tmp_path / "staging", step, size=1000))
+    for _ in range(2):  # 40 and 30 poisoned: the good 20 and 10 stay, as if they were the newest
+        plan = remote_gc.gc(remote, keep=2, milestone_every=0, dry_run=False, min_age_s=0, suspects=frozenset({30, 40}))
+    # 40 is also kept as the step latest.json names; nothing newer than the newest good step is deleted
+    assert plan.keep == [10, 20, 40] and plan.deleted == [] and remote.committed_steps() == [40, 30, 20, 10]
 
 
 def test_gc_never_deletes_the_only_verified_step(remote_uri: tuple[str, str | None], tmp_path: Path) -> None:

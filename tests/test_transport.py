@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.corruptions import CORRUPTIONS, RUN, SPEC, STATE, publish_step
-from tests.helpers import flip_byte, two_gloo_ranks
+from tests.helpers import TEST_KEY, flip_byte, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.errors import VerificationError
 from tiering.fsio import write_file_durably
@@ -58,7 +58,7 @@ def _both_ways(rank: int, root: Path, group: Any) -> dict[str, Any]:
     """The real replicator on a ring of two: each rank sends its step and receives the other's."""
     node_root = root / f"node-{rank}"
     published = _publish_files(node_root, rank, 10)
-    transport = Transport(group, 30, piece=PIECE)
+    transport = Transport(group, 30, piece=PIECE, key=TEST_KEY)
     replicator = PeerReplicator(RUN, rank, {0: [1], 1: [0]}, node_root, transport, TorchCollective(group), 3, "a")
     report = replicator.replicate(10, published)
     peer = 1 - rank
@@ -70,7 +70,7 @@ def _both_ways(rank: int, root: Path, group: Any) -> dict[str, Any]:
 
 def _wire_corruptions(rank: int, root: Path, group: Any) -> dict[str, Any]:
     """Rank 0 sends each damaged copy (bytes on disk, or the manifest it puts on the wire)."""
-    transport = Transport(group, 30, piece=PIECE)
+    transport = Transport(group, 30, piece=PIECE, key=TEST_KEY)
     out: dict[str, Any] = {}
     good = publish_step(primary_store(root / "sender", 1, RUN, 3).layout, 20, owner=1) if rank == 0 else None
     for n, name in enumerate(CORRUPTIONS):
@@ -110,7 +110,7 @@ def _bad_served_copy(rank: int, root: Path, group: Any) -> dict[str, Any]:
             _publish_files(node_root, 1, step, replica=True)
         flip_byte(replica_store(node_root, 1, RUN, 3).step_path(20) / "nested/dir/big.bin")
     coll.barrier()
-    transport = Transport(group, 30, piece=PIECE)
+    transport = Transport(group, 30, piece=PIECE, key=TEST_KEY)
     result = PeerRecovery(RUN, rank, 2, f"node-{rank}", node_root, coll, transport, TOPOLOGY, 3, "r").recover()
     got = result.restore
     out: dict[str, Any] = {"step": got.step if got else None, "tier": got.tier if got else None}
@@ -124,7 +124,7 @@ def _bad_served_copy(rank: int, root: Path, group: Any) -> dict[str, Any]:
 
 def _full_disk(rank: int, root: Path, group: Any) -> dict[str, Any]:
     """Rank 1 receives onto a 1 MiB tmpfs (``root/tiny``): it cannot reserve 3 MiB."""
-    transport = Transport(group, 60, piece=PIECE)
+    transport = Transport(group, 60, piece=PIECE, key=TEST_KEY)
     node_root = root / "node-0"
     published = _publish_files(node_root, 1, 10) if rank == 0 else None
     out: dict[str, Any] = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -519,6 +520,7 @@ def _config_moved(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     # torch warns about a deprecated pynvml on every import: noise for CLI users.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    os.umask(0o077)  # restored or downloaded steps are private to the user
     configure_logging()
     argv = sys.argv[1:] if argv is None else argv
     moved = _config_moved(argv)

@@ -4,6 +4,7 @@ from a programming error (``TypeError``, ``KeyError``, ``AssertionError``, ...),
 caught and reported as an I/O failure.
 
 * :class:`CheckpointError`: a step cannot be verified, published, restored or leased;
+* :class:`RunKeyError`: the run's secret (:mod:`tiering.run_key`) cannot be used;
 * :class:`ObjectStoreError`: the object store is unreachable, refused the caller
   (:class:`AccessDenied`), or lacks an object (:class:`ObjectNotFound`), a condition failed
   (:class:`PreconditionFailed`), or a body broke off (:class:`TransferInterrupted`).
@@ -49,6 +50,14 @@ class NoVerifiedCheckpoint(CheckpointError):
 
 class ReplicaRejected(VerificationError):
     """A copy received from a peer does not match its manifest (or the run/step it claims)."""
+
+
+class RunKeyError(TieringError):
+    """The run key file is missing, unreadable, too short, or readable by others (one line, the fix)."""
+
+
+class UnsafeDirectory(TieringError):
+    """A private directory is a symlink, not a directory, or another user's (one line, the fix)."""
 
 
 class LeaseError(CheckpointError):

@@ -165,8 +165,13 @@ def _v2_entry(item: object, where: Path | str) -> FileEntry:
 
 
 def check_relative_path(rel: str, where: Path | str) -> None:
-    """Reject absolute paths, ``..``, and anything that is not a plain relative POSIX path."""
+    """Reject absolute paths, ``..``, NUL and other control characters, and anything that is not
+    a plain relative POSIX path."""
     pure = PurePosixPath(rel)
+    if any(ord(c) < 32 or c == "\x7f" for c in rel):
+        raise VerificationError(
+            where, f"manifest path {rel!r} holds a control character", "the sender's header or manifest is refused"
+        )
     if not rel or pure.is_absolute() or "\\" in rel or any(part in ("..", ".", "") for part in rel.split("/")):
         raise VerificationError(
             where,

@@ -24,6 +24,8 @@ from tiering.verify import read_manifest, verify_step
 
 log = logging.getLogger(__name__)
 
+QUARANTINE_KEEP_S = 3 * 24 * 3600.0  # how long a quarantined step is kept as evidence
+
 
 @dataclass
 class StepStatus:
@@ -46,9 +48,17 @@ class PosixTier:
     """
 
     def __init__(
-        self, root: Path | str, dirname: str, keep: int = 3, *, run_id: str | None = None, name: str = "local"
+        self,
+        root: Path | str,
+        dirname: str,
+        keep: int = 3,
+        *,
+        run_id: str | None = None,
+        name: str = "local",
+        expect_hash: str | None = None,
     ) -> None:
         self.layout = RunLayout(Path(root), dirname)
+        self.expect_hash = expect_hash  # the one digest this tier's steps may use (None: any known one)
         self.policy: RetentionPolicy = KeepNewest(keep)
         self.run_id = run_id or dirname
         self.name = name
@@ -84,10 +94,13 @@ class PosixTier:
 
     # -- verification ------------------------------------------------------------------------
     def verify(self, step: int, shard: tuple[int, int] = (0, 1)) -> Manifest:
-        return verify_step(self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard)
+        return verify_step(
+            self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard, expect_hash=self.expect_hash
+        )
 
     def quarantine(self, step: int, reason: str) -> Path | None:
-        """Move ``step-N`` to ``quarantine/`` with a reason file; never delete it."""
+        """Move ``step-N`` to ``quarantine/`` with a reason file (reclaimed after
+        ``QUARANTINE_KEEP_S``, or at once when the volume is full: :meth:`reclaim_quarantine`)."""
         src = self.layout.step_dir(step)
         if not src.exists():
             return None
@@ -102,6 +115,26 @@ class PosixTier:
         return dst
 
     # -- housekeeping ------------------------------------------------------------------------
+    def reclaim_quarantine(self, older_than_s: float = QUARANTINE_KEEP_S) -> list[str]:
+        """Delete quarantined steps whose reason file is older than ``older_than_s`` (the evidence
+        is kept that long); returns their names."""
+        qdir = self.layout.quarantine_dir
+        if not qdir.is_dir():
+            return []
+        gone = []
+        now = time.time()
+        for reason in sorted(qdir.glob("*.reason.txt")):
+            try:
+                if now - reason.stat().st_mtime < older_than_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            moved = reason.with_name(reason.name.removesuffix(".reason.txt"))
+            shutil.rmtree(moved, ignore_errors=True)
+            reason.unlink(missing_ok=True)
+            gone.append(moved.name)
+        return gone
+
     def clean_stale_tmp(self, current_attempt: str) -> list[Path]:
         """Remove temporary step directories of earlier attempts (their writers are gone)."""
         removed = []
@@ -142,10 +175,22 @@ class PosixTier:
             out.add(step)
         return out
 
-    def make_room(self) -> list[int]:
-        """A full volume: drop every step but the newest verified one (and pinned ones), oldest
-        first; returns the steps deleted. The next save then needs room for one step beside it."""
-        return self.apply_retention(policy=KeepNewest(1))
+    def make_room(self, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """A full volume: drop every step but the newest verified one (and pinned and ``protected``
+        ones), oldest first; returns the steps deleted. The newest step whose every byte verifies is
+        kept too (a newer one whose manifest reads but whose bytes are torn does not stand in for
+        it). The next save then needs room for one step beside it."""
+        for name in self.reclaim_quarantine(0.0):  # evidence goes before any committed step
+            log.warning("%s: quarantined %s deleted to make room", self.layout.quarantine_dir, name)
+        keep = set(protected)
+        for step in self.committed_steps():  # newest first
+            try:
+                self.verify(step)
+            except VerificationError:
+                continue
+            keep.add(step)
+            break
+        return self.apply_retention(protected=keep, policy=KeepNewest(1))
 
     def apply_retention(
         self, protected: set[int] | frozenset[int] = frozenset(), policy: RetentionPolicy | None = None
@@ -164,6 +209,7 @@ class PosixTier:
                 verified.append(step)
             except VerificationError:
                 continue
+        self.reclaim_quarantine()
         doomed = (policy or self.policy).deletable(verified, protected)
         for step in doomed:
             path = self.layout.step_dir(step)

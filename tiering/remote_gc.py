@@ -2,10 +2,14 @@
 
 Kept (:class:`tiering.retention.ObjectStoreRetention`): the newest ``keep`` committed steps whose
 manifest verifies, the verified step just before them, milestones, and the step ``latest.json``
-names; never the only verified step. Uncommitted leftovers older than the newest committed step
-are garbage too (newer ones may be uploads in progress). A step is deleted ``COMMITTED`` first, so
-a half-deleted step is never mistaken for a committed one. Called by ``tiering gc`` through
-:class:`tiering.remote.RemoteTier`; it never uploads a step.
+names; never the only verified step. A step on the run's suspect list (poisoned: it restored to a
+non-finite loss) is not counted as verified, so it never takes a good step's place among the kept.
+A marked step is deleted only once its mark is ``min_age_s`` old (one hour by default; a mark
+dated in the future counts from now): two passes in a row never delete at once. Uncommitted
+leftovers older than the newest committed step are garbage too (newer ones may be uploads in
+progress). A step is deleted ``COMMITTED`` first, so a half-deleted step is never mistaken for a
+committed one. Called by ``tiering gc`` through :class:`tiering.remote.RemoteTier`; it never
+uploads a step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tiering.remote_upload import latest_hint
 from tiering.retention import ObjectStoreRetention, StepView
 
 MARKS_KEY = ("gc", "marks.json")
+MIN_AGE_S = 3600.0  # a mark must be this old before its step is deleted
 
 
 @dataclass
@@ -32,18 +37,29 @@ class GcPlan:
     reasons: dict[int, str] = field(default_factory=dict)
 
 
-def gc(run: RemoteRun, keep: int, milestone_every: int, dry_run: bool = True) -> GcPlan:
-    """Mark the steps beyond retention, delete those an earlier pass marked (nothing when ``dry_run``)."""
+def gc(
+    run: RemoteRun,
+    keep: int,
+    milestone_every: int,
+    dry_run: bool = True,
+    min_age_s: float = MIN_AGE_S,
+    suspects: frozenset[int] = frozenset(),
+) -> GcPlan:
+    """Mark the steps beyond retention, delete those an earlier pass marked at least ``min_age_s``
+    ago (nothing when ``dry_run``); ``suspects`` never count as verified."""
     all_steps = run.steps()
-    verified = [s for s in sorted(all_steps, reverse=True) if _manifest_verifies(run, s, all_steps[s])]
+    verified = [
+        s for s in sorted(all_steps, reverse=True) if s not in suspects and _manifest_verifies(run, s, all_steps[s])
+    ]
     keep_set = ObjectStoreRetention(keep, milestone_every).keeps(StepView.of(verified, latest=latest_hint(run)))
     candidates = set(verified)
     if verified:
         candidates |= {s for s in all_steps if s < verified[0]}
     doomed = candidates - keep_set
-    marks = _read_marks(run)
+    now = time.time()
+    marks = {s: min(t, now) for s, t in _read_marks(run).items()}  # a mark from the future counts from now
     plan = GcPlan(sorted(keep_set & set(all_steps)), [], [])
-    to_delete = sorted(s for s in doomed if s in marks)
+    to_delete = sorted(s for s in doomed if s in marks and now - marks[s] >= min_age_s)
     plan.marked_now = sorted(s for s in doomed if s not in marks)
     plan.deleted = to_delete
     if not dry_run:
@@ -54,7 +70,7 @@ def gc(run: RemoteRun, keep: int, milestone_every: int, dry_run: bool = True) ->
             run.store.delete(keys[:1])
             run.store.delete(keys[1:])
         remaining = {s: t for s, t in marks.items() if s in doomed and s not in to_delete}
-        remaining.update({s: time.time() for s in plan.marked_now})
+        remaining.update({s: now for s in plan.marked_now})
         run.store.put_bytes(run.key(*MARKS_KEY), json.dumps({str(k): v for k, v in remaining.items()}).encode())
     return plan
 

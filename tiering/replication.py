@@ -95,9 +95,14 @@ class PeerReplicator:
                 if outcome != "ok":
                     report.failures.setdefault(int(owner), outcome)
         report.under_replicated = sorted(report.failures)
-        for owner in self.owners_held:
-            self._store(owner).apply_retention()
         return report
+
+    def apply_retention(self, protected: set[int]) -> None:
+        """Every replica store held here keeps its newest steps; the caller runs it only once a
+        step is committed on every rank (a replica of the newest complete step is never dropped
+        for steps that are not complete everywhere)."""
+        for owner in self.owners_held:
+            self._store(owner).apply_retention(protected=protected)
 
     def _store(self, owner: int) -> PosixTier:
         return replica_store(self.node_root, owner, self.run_id, self.keep)

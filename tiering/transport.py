@@ -17,15 +17,33 @@ a trailer word from the sender (-1, or the file it could not read as its manifes
 Every pair of ranks that may talk exchanges header sizes first (0 means "nothing this time"), so a
 rank whose save failed never leaves its peer waiting, and a receiver that cannot write still drains
 what it is sent. Every wait has a timeout: a dead or hung peer costs at most ``timeout_s``.
+
+Nothing a peer sends is trusted before it is checked (:mod:`tiering.run_key` is the contract):
+
+* Every header carries an HMAC-SHA256 tag under the run key's ``"transport"`` channel over the
+  destination rank and the header bytes; the header holds the owner's manifest, hence every chunk
+  digest, so the pieces are checked against digests only a holder of the key could have sent. A
+  header that does not verify is dropped with one error line; nothing is allocated for it or
+  written.
+* Before anything is allocated: the header length (``MAX_HEADER``), the file count
+  (``MAX_FILES``), the piece count (``MAX_PIECES``), every size and piece size, and every name
+  (no NUL or control character, no ``..``, no absolute path) are bounded and checked.
+* The receiver answers each header with an accept word; a sender streams only to receivers that
+  accepted, so a refused header leaves the pair clean for the next exchange.
+* A whole transfer has a deadline (``timeout_s`` plus its declared bytes at ``MIN_RATE``); the
+  receive thread is joined with a timeout, and a receive past it is abandoned (its files removed
+  by the thread when it ends): a slow or silent peer costs an error line, not the rank.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,12 +57,20 @@ from tiering.digest import ChunkChecker, ChunkedDigest, ChunkFailure
 from tiering.errors import VerificationError
 from tiering.manifest import MANIFEST_NAME, Manifest, check_relative_path
 from tiering.publish import ReceivedStep
+from tiering.run_key import TAG_BYTES, RunKey
 from tiering.verify import verify_step
+
+log = logging.getLogger(__name__)
 
 PIECE = 64 * 1024 * 1024  # bytes per message, rounded to whole digest chunks
 MAX_PIECE = 1024 * 1024 * 1024  # what a receiver accepts from a header (buffers are this size)
 SEND_SLOTS = 3  # pieces a sender (and each receiver) has in memory: one being read, two on the wire
-TAG_SIZE, TAG_HEAD, TAG_DATA = 1, 2, 3
+TAG_SIZE, TAG_HEAD, TAG_ACK, TAG_DATA = 1, 2, 4, 8
+MAX_HEADER = 16 * 1024 * 1024  # bytes of one header (tag included) a receiver accepts
+MAX_FILES = 10_000  # files in one transfer
+MAX_PIECES = 100_000  # pieces in one transfer (64 MiB pieces: 6 TiB)
+MIN_RATE = 50 * 1024 * 1024  # bytes/s a transfer's deadline allows for its declared bytes
+CHANNEL = "transport"  # the run key's channel for headers
 
 # (file index, start in the file, length): the unit of the wire, in order
 Piece = tuple[int, int, int]
@@ -121,6 +147,7 @@ class _Incoming:
         directory: Path,
         expected: list[ChunkedDigest | None],
         slots: list[torch.Tensor],
+        deadline: float,
     ) -> None:
         self.src = src
         self.head = head
@@ -133,6 +160,9 @@ class _Incoming:
         self._checker = ChunkChecker()
         self._mismatch: ChunkFailure | None = None
         self._thread: threading.Thread | None = None
+        self.deadline = deadline  # time.monotonic() by which every piece must have arrived
+        self._lock = threading.Lock()
+        self._abandoned = False  # finish gave up waiting: the thread cleans up when it ends
 
     def open(self) -> None:
         """Create the files with their space reserved (``posix_fallocate``: a full disk fails
@@ -165,6 +195,8 @@ class _Incoming:
             for i in range(min(n, len(pieces))):
                 works[i] = self._post(group, pieces[i], i)
             for i, (index, start, length) in enumerate(pieces):
+                if time.monotonic() > self.deadline:
+                    raise TimeoutError(f"the transfer passed its deadline after {i} of {len(pieces)} pieces")
                 if not works.pop(i).wait(timeout):
                     raise TimeoutError(_timed_out(timeout))
                 view = memoryview(self._slots[i % n][:length].numpy())
@@ -180,6 +212,17 @@ class _Incoming:
                 self._mismatch = (name, "the sender could not read it as its manifest lists it (damaged there)")
         except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
             self.error = _one_line(exc, timeout)
+        finally:
+            with self._lock:
+                if self._abandoned:
+                    self._release()
+
+    def _release(self) -> None:
+        """Close the files and remove the copy (the receive failed or was abandoned)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def _post(self, group: Any, piece: Piece, number: int) -> Any:
         into = self._slots[number % len(self._slots)][: piece[2]]
@@ -191,25 +234,36 @@ class _Incoming:
         checks = self._checker.check_span(self.files[index][0], expected, start, view) if expected else []
         if self.error is None:
             try:
-                _write_at(self._fds[index], view, start)
+                with self._lock:
+                    if self._abandoned:
+                        raise TimeoutError("abandoned")
+                    _write_at(self._fds[index], view, start)
             except OSError as exc:
                 self.error = f"writing the received copy failed: {exc}"
         for fut in checks:
             if (bad := fut.result()) is not None and self._mismatch is None:
                 self._mismatch = bad
 
-    def finish(self, errors: dict[int, str]) -> ReceivedStep | None:
-        """Wait for the receive; the step, or None (the reason in ``errors``, nothing left on disk)."""
+    def finish(self, errors: dict[int, str], timeout: datetime.timedelta) -> ReceivedStep | None:
+        """Wait for the receive until its deadline (and one more wait); the step, or None (the
+        reason in ``errors``, nothing left on disk; a receive still running is abandoned: its
+        thread removes the copy when its wait ends)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(max(0.0, self.deadline - time.monotonic()) + timeout.total_seconds())
+            with self._lock:
+                if self._thread.is_alive():
+                    self._abandoned = True
+                    errors.setdefault(self.src, "the transfer passed its deadline; abandoned")
+                    log.error("transport: receive from rank %d abandoned past its deadline", self.src)
+                    return None
         self._checker.result()
+        if self.src in errors or self.error is not None:
+            errors.setdefault(self.src, self.error or "")
+            self._release()
+            return None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-        if self.src in errors or self.error is not None:
-            errors.setdefault(self.src, self.error or "")
-            shutil.rmtree(self.directory, ignore_errors=True)
-            return None
         checked = frozenset(rel for (rel, _, _), exp in zip(self.files, self.expected, strict=True) if exp is not None)
         names = [(rel, size) for rel, size, _ in self.files]
         manifest_raw = str(self.head.get("manifest", "")).encode("utf-8")
@@ -220,9 +274,11 @@ class _Incoming:
 class Transport:
     """Point-to-point step exchange on a (gloo) process group that contains every rank."""
 
-    def __init__(self, group: Any, timeout_s: float, piece: int = PIECE) -> None:
+    def __init__(self, group: Any, timeout_s: float, piece: int = PIECE, *, key: RunKey) -> None:
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._key = key.for_channel(CHANNEL)
+        self._rank = dist.get_rank() if group is not None else 0
         self.piece = piece  # bytes per message (the sender's choice travels in the header)
         # Piece buffers, kept from one exchange to the next (allocated and faulted in once):
         # one set to send from, one per peer received from at once.
@@ -245,33 +301,43 @@ class Transport:
         receives into only then: a peer that sends nothing costs no copy).
         """
         errors: dict[int, str] = {}
-        heads = self._exchange_headers(outgoing, list(incoming), errors)
+        blobs = {dst: self._tagged_header(p, dst) if p is not None else b"" for dst, p in outgoing.items()}
+        heads, refused = self._exchange_headers(blobs, list(incoming), errors)
+        self._exchange_acks(heads, refused, [dst for dst, blob in blobs.items() if blob], list(incoming), errors)
         receiving = []
         for n, (src, head) in enumerate(heads.items()):
             slots = self._slots(f"receive-{n}", max((min(size, p) for _, size, p in head["files"]), default=0))
-            rx = _Incoming(src, head, incoming[src], _expected_digests(head), slots)
+            rx = _Incoming(src, head, incoming[src], _expected_digests(head), slots, _deadline(head, self.timeout))
             if before_open is not None:
                 before_open(src)
             rx.open()
             rx.start(self.group, self.timeout)
             receiving.append(rx)
-        for payload, dsts in _group_by_payload(outgoing, errors):
+        accepted = {dst: p for dst, p in outgoing.items() if blobs[dst]}
+        for payload, dsts in _group_by_payload(accepted, errors):
             self._stream(payload, dsts, errors)
-        received = {rx.src: step for rx in receiving if (step := rx.finish(errors)) is not None}
+        received = {rx.src: step for rx in receiving if (step := rx.finish(errors, self.timeout)) is not None}
         return received, errors
 
     def _exchange_headers(
-        self, outgoing: dict[int, OutgoingStep | None], incoming: list[int], errors: dict[int, str]
-    ) -> dict[int, dict[str, Any]]:
-        """Header sizes, then headers: what each peer will send (absent: nothing)."""
+        self, blobs: dict[int, bytes], incoming: list[int], errors: dict[int, str]
+    ) -> tuple[dict[int, dict[str, Any]], set[int]]:
+        """Header sizes, then tagged headers: what each peer will send (absent: nothing). A size out
+        of bounds is refused before anything is allocated; a header whose tag does not verify, or
+        that is malformed or out of bounds, is refused before it is parsed further (one error line)."""
         sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-        blobs = {dst: p.header_bytes(self.piece) if p is not None else b"" for dst, p in outgoing.items()}
         works = [(src, dist.irecv(sizes[src], src=src, group=self.group, tag=TAG_SIZE)) for src in incoming]
         for dst, blob in blobs.items():
             works.append((dst, dist.isend(torch.tensor([len(blob)]), dst=dst, group=self.group, tag=TAG_SIZE)))
         self._wait(works, errors)
-        recv = {src: torch.empty(int(sizes[src].item()), dtype=torch.uint8) for src in incoming if src not in errors}
-        recv = {src: t for src, t in recv.items() if t.numel()}
+        recv: dict[int, torch.Tensor] = {}
+        for src in incoming:
+            n = int(sizes[src].item()) if src not in errors else 0
+            if not 0 <= n <= MAX_HEADER:
+                errors[src] = f"refused a header of {n} bytes from rank {src} (0 to {MAX_HEADER >> 20} MiB)"
+                log.error("transport: %s", errors[src])
+            elif n:
+                recv[src] = torch.empty(n, dtype=torch.uint8)
         works = [(src, dist.irecv(t, src=src, group=self.group, tag=TAG_HEAD)) for src, t in recv.items()]
         for dst, blob in blobs.items():
             if blob and dst not in errors:
@@ -279,17 +345,66 @@ class Transport:
                 works.append((dst, dist.isend(tensor, dst=dst, group=self.group, tag=TAG_HEAD)))
         self._wait(works, errors)
         heads: dict[int, dict[str, Any]] = {}
+        refused = {src for src in incoming if src in errors and src not in recv and int(sizes[src].item()) != 0}
         for src, tensor in recv.items():
             if src in errors:
                 continue
             try:
-                heads[src] = json.loads(tensor.numpy().tobytes().decode("utf-8"))
-                heads[src]["files"] = [(str(n), int(s), int(p)) for n, s, p in heads[src]["files"]]
-                if any(size < 0 or not 0 < p <= MAX_PIECE for _, size, p in heads[src]["files"]):
-                    raise ValueError(f"a size or piece size out of range (pieces are 1 B to {MAX_PIECE >> 20} MiB)")
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                errors[src] = f"malformed header: {exc}"  # the pieces cannot be planned: nothing is posted
-        return heads
+                heads[src] = self._verified_header(tensor.numpy().tobytes())
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, VerificationError) as exc:
+                errors[src] = f"refused the header of rank {src}: {exc}"  # nothing is posted for it
+                log.error("transport: %s", errors[src])
+                refused.add(src)
+        return heads, refused
+
+    def _exchange_acks(
+        self,
+        heads: dict[int, dict[str, Any]],
+        refused: set[int],
+        sent: list[int],
+        incoming: list[int],
+        errors: dict[int, str],
+    ) -> None:
+        """Each receiver tells each sender whether it accepted the header (1) or not (0); a sender
+        streams only to those that accepted, so a refused transfer leaves no message on the pair."""
+        words = {dst: torch.zeros(1, dtype=torch.int64) for dst in sent if dst not in errors}
+        works = [(dst, dist.irecv(w, src=dst, group=self.group, tag=TAG_ACK)) for dst, w in words.items()]
+        told = [src for src in incoming if src in heads or src in refused]
+        for src in told:
+            word = torch.tensor([1 if src in heads else 0], dtype=torch.int64)
+            works.append((src, dist.isend(word, dst=src, group=self.group, tag=TAG_ACK)))
+        late: dict[int, str] = {}  # a refused peer is in ``errors`` already: its "no" is still waited for
+        self._wait(works, late)
+        for peer, line in late.items():
+            errors.setdefault(peer, line)
+        for dst, word in words.items():
+            if dst not in errors and int(word.item()) != 1:
+                errors[dst] = f"rank {dst} refused the header sent to it (run key or bounds; see its log)"
+
+    def _tagged_header(self, payload: OutgoingStep, dst: int) -> bytes:
+        """The header for ``dst``, tagged; b"" (nothing sent, the payload failed) when it is over the
+        bounds a receiver accepts."""
+        body = payload.header_bytes(self.piece)
+        try:
+            _checked_files(json.loads(body)["files"])
+            if TAG_BYTES + len(body) > MAX_HEADER:
+                raise ValueError(f"{len(body)} bytes of header, over {MAX_HEADER >> 20} MiB")
+        except (ValueError, VerificationError) as exc:
+            log.error("transport: %s: not sent to rank %d: %s", payload.step_dir, dst, exc)
+            payload.failure = payload.failure or f"{payload.step_dir}: not sent: {exc}"
+            return b""
+        return self._key.tag(_bound_to(dst, body)) + body
+
+    def _verified_header(self, blob: bytes) -> dict[str, Any]:
+        """The header in ``blob`` if its tag verifies for this rank and it is within bounds."""
+        tag, body = blob[:TAG_BYTES], blob[TAG_BYTES:]
+        if len(tag) < TAG_BYTES or not self._key.verify(_bound_to(self._rank, body), tag):
+            raise ValueError("its run-key tag does not verify (a sender without this run's key, or altered)")
+        head = json.loads(body.decode("utf-8"))
+        if not isinstance(head, dict) or not isinstance(head.get("files"), list):
+            raise ValueError("not a header object with a file list")
+        head["files"] = _checked_files(head["files"])
+        return head
 
     def _stream(self, payload: OutgoingStep, dsts: list[int], errors: dict[int, str]) -> None:
         """Read, check and send ``payload`` piece by piece to ``dsts``, keeping ``SEND_SLOTS``
@@ -299,8 +414,12 @@ class Transport:
         checker = ChunkChecker()
         inflight: list[tuple[list[tuple[int, Any]], list[Future[ChunkFailure | None]]]] = [([], [])] * SEND_SLOTS
         fds = [_open_or_fail(payload, i) for i in range(len(payload.names))]
+        deadline = _deadline({"files": files}, self.timeout)
         try:
             for n, (tag, (index, start, length)) in enumerate(_tagged(plan_pieces(files))):
+                if time.monotonic() > deadline:  # a receiver that takes pieces too slowly: give up on it
+                    for dst in dsts:
+                        errors.setdefault(dst, f"the transfer passed its deadline after {n} pieces")
                 if all(dst in errors for dst in dsts):
                     break  # nobody left to send to
                 slot = n % SEND_SLOTS
@@ -425,3 +544,36 @@ def _expected_digests(head: dict[str, Any]) -> list[ChunkedDigest | None]:
         expected = listed.get(rel)
         out.append(expected if expected is not None and expected.size == size else None)
     return out
+
+
+def _bound_to(dst: int, body: bytes) -> bytes:
+    """What a header's tag covers: the destination rank, then the header (a header tagged for one
+    rank does not verify on another)."""
+    return f"to:{dst}\n".encode() + body
+
+
+def _checked_files(files: list[Any]) -> list[tuple[str, int, int]]:
+    """``(name, size, piece size)`` per file of a header, every bound checked before anything is
+    planned or allocated (ValueError/VerificationError: one line naming what is out of bounds)."""
+    if len(files) > MAX_FILES:
+        raise ValueError(f"{len(files)} files, over {MAX_FILES}")
+    out: list[tuple[str, int, int]] = []
+    pieces = 0
+    for item in files:
+        name, size, piece = item
+        if not isinstance(name, str) or type(size) is not int or type(piece) is not int:
+            raise ValueError(f"file entry {item!r:.80} is not (name, size, piece size)")
+        check_relative_path(name, "<header>")
+        if size < 0 or not 0 < piece <= MAX_PIECE:
+            raise ValueError(f"{name!r}: size {size} or piece size {piece} out of range (pieces 1 B to 1 GiB)")
+        pieces += -(-size // piece)
+        if pieces > MAX_PIECES:
+            raise ValueError(f"over {MAX_PIECES} pieces (file {name!r} of {size} bytes in pieces of {piece})")
+        out.append((name, size, piece))
+    return out
+
+
+def _deadline(head: dict[str, Any], timeout: datetime.timedelta) -> float:
+    """When a transfer of the header's declared bytes must be done (``time.monotonic``)."""
+    total = sum(size for _, size, _ in head["files"])
+    return time.monotonic() + timeout.total_seconds() + total / MIN_RATE

@@ -59,15 +59,25 @@ def verify_step(
     shard: tuple[int, int] = (0, 1),
     hash_files: bool = True,
     threads: int = VERIFY_THREADS,
+    expect_hash: str | None = None,
 ) -> Manifest:
     """Verify ``step_dir`` and return its manifest, or raise :class:`VerificationError`.
 
     ``shard=(i, n)`` hashes only every n-th listed file starting at i, so that n ranks can verify
     one step in parallel (each with ``threads`` hashing threads); the structural checks (marker,
     manifest, symlinks, unlisted or missing files, sizes) always cover the whole step.
+    ``expect_hash``: the tier's one digest; a file listed with another (a manifest that chose a
+    weaker hash for itself) is refused before anything is hashed.
     """
     step_dir = Path(step_dir)
     manifest = read_manifest(step_dir)
+    if expect_hash is not None:
+        for entry in manifest.files:
+            if entry.hash != expect_hash:
+                raise VerificationError(
+                    step_dir / MANIFEST_NAME,
+                    f"{entry.path} is hashed with {entry.hash or 'sha256 (v1)'}, this tier reads {expect_hash} only",
+                )
     if expect_run_id is not None and manifest.run_id != expect_run_id:
         raise VerificationError(
             step_dir / MANIFEST_NAME, f"manifest belongs to run {manifest.run_id!r}, not {expect_run_id!r}"

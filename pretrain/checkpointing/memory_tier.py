@@ -56,9 +56,10 @@ from pretrain.config import Config
 from pretrain.errors import ConfigError
 from tiering.collective import Collective
 from tiering.digest import HashSpec
-from tiering.errors import PublishError, VerificationError
+from tiering.errors import PublishError, UnsafeDirectory, VerificationError
 from tiering.manifest import Manifest
 from tiering.peer_slots import Offer, PeerSlots, PeerStream
+from tiering.private_dir import private_dir
 from tiering.slot_store import SlotStore
 from tiering.slots import SlotView, common_step, loadable, newer_than, next_sequence, slot_to_write
 from tiering.transport import Transport
@@ -348,9 +349,11 @@ class MemoryTier:
         mem = self.cfg.checkpoint.memory
         root = Path(mem.dir)
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            private_dir(root / self.cfg.run.id)  # 0700, ours, not a symlink: tier 0 holds the model
             st = os.statvfs(root)
             where = (socket.gethostname(), os.stat(root).st_dev)
+        except UnsafeDirectory as exc:
+            raise ConfigError(f"{self.cfg.source}: checkpoint.memory.dir: {exc}") from exc
         except OSError as exc:
             raise ConfigError(
                 f"{self.cfg.source}: checkpoint.memory.dir {root}: {exc.strerror or exc}; fix: point it at a "

@@ -52,11 +52,12 @@ from pretrain.resilience.faults import maybe_die_while_receiving, writer_fault
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
-from tiering.errors import PublishError, TieringError
+from tiering.errors import PublishError, TieringError, UnsafeDirectory
 from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
+from tiering.private_dir import private_dir
 from tiering.publish import PosixStepPublisher
 from tiering.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
 from tiering.transport import Transport
@@ -128,11 +129,17 @@ class PerRankCheckpoints:
         self.keep = cfg.checkpoint.local.keep
         self.run_id = cfg.run.id
         self.node_root = Path(cfg.checkpoint.local.dir) / cfg.run.id
+        try:
+            private_dir(self.node_root)  # 0700, ours, not a symlink: tier 1 holds the model
+        except UnsafeDirectory as exc:
+            raise ConfigError(f"{cfg.source}: checkpoint.local.dir: {exc}") from exc
         self.store = primary_store(self.node_root, self.rank, self.run_id, self.keep)
         integrity = cfg.checkpoint.integrity
         self.hashing = HashSpec(integrity.local_hash, integrity.chunk_bytes, integrity.hash_threads)
         self.publisher = PosixStepPublisher(self.store.layout, SingleProcess(), attempt, self.hashing)
         self._record_event = record_event
+        # The newest step committed on every rank: retention and make_room never delete it.
+        self.complete_step: int | None = None
         self._last_bytes = 0
         self._inflight: dict[str, Any] | None = None
         self._buffers = SnapshotBuffers()
@@ -182,7 +189,8 @@ class PerRankCheckpoints:
         (``force``): the ranks of a node share its volume, and whichever checks first makes the
         room (under load a CI run saw only rank 1 do it, and the event was lost). It may run in a
         forked writer: an event is one appended line, safe from there."""
-        dropped = [s for store in self.stores() for s in store.make_room()]
+        keep = {self.complete_step} if self.complete_step is not None else set()
+        dropped = [s for store in self.stores() for s in store.make_room(keep)]
         if dropped and self._record_event is not None:  # nothing dropped: the save fails, recorded so
             free = shutil.disk_usage(self.store.layout.steps_dir).free
             self._record_event(
@@ -500,10 +508,12 @@ class PerRankCheckpoints:
         local_s = time.perf_counter() - t0
         report = self.replicator.replicate(step, published)
         replication_s = time.perf_counter() - t0 - local_s
-        if published is not None:
+        errors = [(r, e) for r, e in enumerate(coll.all_gather(error)) if e]
+        if not errors:  # decided after the global outcome: older steps go only once this one is everywhere
+            self.complete_step = step
             for old in self.store.apply_retention(protected={step}):
                 log.debug("retention: deleted local step %d (keep=%d)", old, self.keep)
-        errors = [(r, e) for r, e in enumerate(coll.all_gather(error)) if e]
+            self.replicator.apply_retention({step})
         if errors:
             raise PublishError(f"step {step} is not complete in tier 1: rank {errors[0][0]}: {errors[0][1]}")
         if report.under_replicated and self.rank == 0:

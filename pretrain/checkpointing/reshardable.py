@@ -55,6 +55,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pretrain.checkpointing import dcp_metadata
 from pretrain.checkpointing.async_writer import killed_by_signal
 from pretrain.checkpointing.shared_health import SharedStorageHealth, WriteWatch
 from pretrain.checkpointing.shared_storage import check_shared
@@ -129,7 +130,9 @@ class ReshardableCheckpoints:
         self.phases = phases
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
-        self.tier = PosixTier(directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name)
+        self.tier = PosixTier(
+            directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name, expect_hash=PORTABLE_HASH
+        )
         # What S3 receives carries a cryptographic digest (blake3); each rank hashes its share of
         # the files Megatron wrote at commit, on at most hash_threads threads.
         integrity = cfg.checkpoint.integrity
@@ -370,14 +373,21 @@ class ReshardableCheckpoints:
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(
-        self, state: TrainingState, newer_than: int = -1, rejected: list[tuple[int, str]] | None = None
+        self,
+        state: TrainingState,
+        newer_than: int = -1,
+        rejected: list[tuple[int, str]] | None = None,
+        exclude: frozenset[int] = frozenset(),
     ) -> RestoreResult | None:
         """Collective: load the newest verified step newer than ``newer_than`` into ``state``; None
-        if there is none (rejections are appended to ``rejected`` when given)."""
+        if there is none (rejections are appended to ``rejected`` when given). Steps in ``exclude``
+        (the run's suspects) are never loaded."""
         t0 = time.perf_counter()
         if self.phases is not None:
             self.phases.enter("verify")
-        selection = select_newest_verified(self.tier, self.coll, newer_than, rejected)
+        selection = select_newest_verified(
+            self.tier, self.coll, newer_than, rejected, check=dcp_metadata.check_step, exclude=exclude
+        )
         verify_s = time.perf_counter() - t0
         if selection is None:
             return None
@@ -404,6 +414,7 @@ class ReshardableCheckpoints:
         # A load template, as Megatron's own loader asks for it (megatron/training/checkpointing.py,
         # core_r0.19.0 L2280): the DistributedOptimizer allocates its state for it first.
         optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable", is_loading=True)
+        dcp_metadata.install()  # DCP's own read of .metadata: the restricted unpickler too
         loaded = dist_checkpointing.load(
             {"model": model_sd, "optimizer": optim_sd}, str(path / "model"), load_strategy(path / "model")
         )

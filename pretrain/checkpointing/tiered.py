@@ -18,6 +18,7 @@ from pretrain.checkpointing.agent_tier import AgentTier
 from pretrain.checkpointing.memory_tier import MemoryTier
 from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
+from pretrain.checkpointing.run_key_source import load_run_key
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.config import Config, s3_owner
@@ -63,12 +64,13 @@ class TieredCheckpointer:
         # The lease first: a job that may not write this run fails before anything else starts.
         self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
         if cfg.checkpoint.local.enabled:
+            self._run_key = load_run_key(cfg, coll)  # tags every transfer between ranks
             # Replication gets its own gloo group so that its waits are bounded independently of
             # the training group (which may be NCCL on GPUs).
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=cfg.checkpoint.replication.timeout_s)
             )
-            transport = Transport(group, cfg.checkpoint.replication.timeout_s)
+            transport = Transport(group, cfg.checkpoint.replication.timeout_s, key=self._run_key)
             self.local = build_per_rank_checkpoints(
                 cfg, coll, attempt, topology, transport, TorchCollective(group), record_event, phases
             )
@@ -116,7 +118,7 @@ class TieredCheckpointer:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=rep.timeout_s))
         node = {i.rank: i.node for i in self.local.identities}
         holders = {o: [h for h in hs if node[h] != node[o]] for o, hs in self.local.holders.items()}
-        self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE))
+        self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE, key=self._run_key))
 
     def _open_remote(self) -> RemoteTier:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
@@ -332,7 +334,12 @@ class TieredCheckpointer:
         if self._staging is not None:
             # Only a step newer than the tier 1-2 one is worth a reshardable load; at equal steps
             # the per-rank copy is faster and carries every rank's exact state.
-            result = self._staging.restore(state, newer_than=peer.step if peer else -1, rejected=rejected)
+            result = self._staging.restore(
+                state,
+                newer_than=peer.step if peer else -1,
+                rejected=rejected,
+                exclude=frozenset(self.suspect_steps()) if self.coll.rank == 0 else frozenset(),
+            )
             self._unusable.extend(reason for _, reason in rejected)
             if result is not None:
                 result.notes = notes

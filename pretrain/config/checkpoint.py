@@ -16,7 +16,7 @@ class LocalTierConfig:
 
     dir: str = "runs/ckpt-local"  # node-local storage (NVMe); steps under <dir>/<run.id>/
     interval: int = 10  # steps between saves
-    keep: int = 3  # newest verified steps kept per rank
+    keep: int = 3  # newest verified steps kept per rank (at least 2)
     enabled: bool = True  # save and restore tiers 1-2
     # Seconds a tier-1 save (write, commit, replication) or the start-of-attempt probe may take
     # before the tier's storage counts as stalled (skipped, reported, probed until it answers).
@@ -25,7 +25,11 @@ class LocalTierConfig:
     probe_interval_s: float = 30.0  # while stalled: seconds between probes (each in its own process)
 
     def check(self, fail: Fail) -> None:
-        positive(fail, interval=self.interval, keep=self.keep)
+        positive(fail, interval=self.interval)
+        if self.keep < 2:
+            # With one step kept, a save that commits on some ranks and fails on others leaves
+            # no step that every rank has.
+            fail("keep", f"must be >= 2, got {self.keep}", "keep at least 2 tier-1 steps")
         check_stall_settings(fail, self.stall_timeout_s, self.probe_interval_s)
 
 
@@ -153,6 +157,11 @@ class IntegrityConfig:
     # Threads a writer may use to hash while it writes (and a commit to hash what no writer did):
     # the bound on the CPU a save takes from the ranks. Restores verify on every core.
     hash_threads: int = 2
+    # The run's secret (32+ bytes, mode 0600, owned by the user) that tags every transfer between
+    # ranks (replicas, tier-0 peer copies, peer restores): a sender without it is refused. The
+    # environment variable PRETRAIN_RUN_KEY_FILE overrides it. None: <run.dir>/<run.id>/run.key,
+    # created by rank 0 when absent (the run directory is shared by every node).
+    run_key_file: str | None = None
 
     def check(self, fail: Fail) -> None:
         positive(fail, chunk_mb=self.chunk_mb, hash_threads=self.hash_threads)

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 
 from pretrain.config import Config, DataConfig, resolve_vocab_size
 from pretrain.data.blend import BlendedSamples
+from pretrain.data.index_cache import cache_dirs, check_index_cache
 from pretrain.data.prepare import checked_token_ids, dataset_snapshot_id
 from pretrain.data.tokenizer import load_tokenizer
 from pretrain.errors import DataError
@@ -33,6 +34,8 @@ def _split_of(cfg: Config, prefix: str) -> tuple[GPTDataset, GPTDataset | None]:
                 f"'pretrain prepare-data --output {prefix} ...' or correct data.prefix / data.blend"
             )
     checked_token_ids(prefix, resolve_vocab_size(cfg))
+    for directory in cache_dirs(cfg.data.cache_dir, prefix):
+        check_index_cache(directory)  # Megatron loads these with allow_pickle=True
     ds_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.model.seq_length,

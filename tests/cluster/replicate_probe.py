@@ -23,9 +23,12 @@ import torch.distributed as dist
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.replication import PeerReplicator, primary_store
+from tiering.run_key import RunKey
 from tiering.transport import Transport
 
 RUN = "probe"
+
+PROBE_KEY = RunKey(b"replicate-probe-key-of-both-ranks")  # the same on both nodes
 
 
 def publish(node_root: Path, rank: int, step: int, size: int) -> Path:
@@ -46,7 +49,7 @@ def main(argv: list[str]) -> int:
     group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=120))
     holders = {0: [1], 1: [0]}
     replicator = PeerReplicator(
-        RUN, rank, holders, node_root, Transport(group, timeout_s), TorchCollective(group), 2, "probe"
+        RUN, rank, holders, node_root, Transport(group, timeout_s, key=PROBE_KEY), TorchCollective(group), 2, "probe"
     )
     (control / f"ready.rank-{rank}").write_text("1")
     step = 0

@@ -50,4 +50,5 @@ def take_over(request: RankRequest) -> None:
 def run(request: RankRequest) -> None:
     """Run the client's module as ``python -m`` would; its ``SystemExit`` ends this process."""
     take_over(request)
+    os.umask(0o077)  # as python -m pretrain does: the fork's files are private
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
