@@ -78,6 +78,7 @@ class SlurmJob:
             # Not the default 29500: another job on this machine may hold it, and a launcher that
             # cannot bind its rendezvous store fails, which requeues the job without the node.
             "RDZV_PORT": str(free_port()),
+            "NODE_STATE_DIR": str(tmp / "node-state"),  # the epilog's markers, not the machine's /dev/shm
             **env,
         }
         self.tmp = tmp
@@ -423,3 +424,14 @@ def test_launch_leaves_the_epilog_a_marker_of_the_nodes_run_directories(tmp_path
         "run_id": "run-a",
         "dirs": ["/nvme/run-a", "/dev/shm/resilient-pretrain/run-a"],
     }
+
+
+def test_pyxis_lets_the_hosts_image_digest_win_and_mounts_no_home() -> None:
+    """pyxis keeps an image ENV value over the exported host one unless --container-env names it
+    (its --help); the Dockerfile sets ENV IMAGE_DIGEST=unknown. Home is not mounted: a user's
+    ~/.local would shadow the image's packages."""
+    text = SBATCH.read_text()
+    (flags,) = re.findall(r"container=\(--container-image=.*?\)\n", text, re.S)
+    assert "--container-env=IMAGE_DIGEST,RDZV_HOST" in flags and "--no-container-mount-home" in flags
+    assert re.search(r"^#SBATCH --wait-all-nodes=1$", text, re.M)
+    assert 'srun_errors=$(mktemp "${TMPDIR:-/tmp}/pretrain-srun-' in text, "never a predictable /tmp name"
