@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -263,7 +264,10 @@ def test_a_failed_launcher_requeues_the_job_without_its_node(
         text = job.log.read_text()
         assert "srun: error: localhost: task 0: Exited with exit code 1" in text
         # Excluded for the record's evidence (its rank 1 was killed), not for exiting first.
-        assert "the run's records blame node localhost: attempt 1: rank 1 on localhost" in text, text[-3000:]
+        host = socket.gethostname()  # the records name hosts; Slurm's node here is "localhost"
+        assert f"the run's records blame node localhost (host {host}): attempt 1: rank 1 on {host}" in text, text[
+            -3000:
+        ]
     finally:
         subprocess.run(["scancel", job.id], env=job.env, timeout=30)
 
