@@ -159,7 +159,7 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from pretrain.commands.launch import excluded_nodes, launch
+    from pretrain.commands.launch import excluded_nodes, launch, requeue_evidence
     from pretrain.errors import STOP_EXIT_CODE, JobStopped, LaunchError, NodeExcluded, NodeLaunchError
 
     # Exit codes (docs/runbook.md "Exit codes of pretrain launch"): STOP_EXIT_CODE (2) for what
@@ -168,6 +168,9 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         if args.excluded_nodes:
             print(excluded_nodes(args.config, args.set or []))
+            return 0
+        if args.requeue_evidence:
+            print(requeue_evidence(args.config, args.set or []))
             return 0
         return launch(args.config, args.nproc_per_node, args.max_restarts, args.ft_config, args.dry_run, args.set or [])
     except NodeExcluded as exc:
@@ -388,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--dry-run", action="store_true", help="print the exact command instead of running it")
     la.add_argument(
         "--excluded-nodes", action="store_true", help="print the run's excluded nodes, comma separated, and exit"
+    )
+    la.add_argument(
+        "--requeue-evidence",
+        action="store_true",
+        help="print '<node the newest attempt blames or -> <progressed 0|1> <evidence>' (the sbatch requeue) and exit",
     )
     la.add_argument("--set", action="append", metavar="KEY=VALUE")
     la.set_defaults(func=_launch)

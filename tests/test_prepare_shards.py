@@ -5,6 +5,7 @@ changed shard count and a tokenizer mix are refused in one line; the gates and t
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from pretrain.cli import main
-from pretrain.data.gates import DocumentGates
+from pretrain.data.gates import COMMIT_EVERY, DigestSet, DocumentGates, text_digest
 from pretrain.data.inputs import shard_files
 from pretrain.data.prepare import merge_data, prepare_data
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
@@ -171,3 +172,22 @@ def test_more_shards_than_files_leave_empty_shards_that_merge(tmp_path: Path, co
     merged = merge_data(tmp_path / "sh", tmp_path / "merged")
     _same_dataset(tmp_path / "one", tmp_path / "merged")
     assert merged["documents"] == one["documents"]
+
+
+def test_the_on_disk_digest_set_agrees_with_a_set_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """--dedup's digest set is SQLite on disk (bounded memory: bench/dedup_memory.py measured 83 MB
+    peak against 450 MB for a Python set on 1 GB of 200-byte documents, 4.0M distinct)."""
+    rng = random.Random(3)
+    docs = [f"doc {rng.randrange(150_000)}" for _ in range(2 * COMMIT_EVERY + 7)]  # across commits
+    seen, disk = set(), DigestSet(tmp_path)
+    for doc in docs:
+        d = text_digest(doc)
+        assert disk.add(d) == (d not in seen)
+        seen.add(d)
+    disk.close()
+    assert list(tmp_path.iterdir()) == []
+    gates = DocumentGates(dedup=True, spill_dir=tmp_path)
+    assert list(gates.filter(["a", "b", "a"])) == ["a", "b"]
+    gates.save_kept_digests(tmp_path / "x.digests")
+    assert (tmp_path / "x.digests").read_bytes() == text_digest("a") + text_digest("b")
+    assert [p.name for p in tmp_path.iterdir()] == ["x.digests"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 import yaml
 from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
 
+from pretrain.commands.launch import mark_node_state
 from pretrain.commands.plan import plan_memory_tier
 from pretrain.commands.plan_model import model_size
 from pretrain.config import MemoryTierConfig, load_config
@@ -77,6 +79,7 @@ class SlurmJob:
             # Not the default 29500: another job on this machine may hold it, and a launcher that
             # cannot bind its rendezvous store fails, which requeues the job without the node.
             "RDZV_PORT": str(free_port()),
+            "NODE_STATE_DIR": str(tmp / "node-state"),  # the epilog's markers, not the machine's /dev/shm
             **env,
         }
         self.tmp = tmp
@@ -210,6 +213,35 @@ def test_usr1_warning_gives_the_emergency_save_more_than_killwait_then_requeues_
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_batch_shell_saves_like_the_warning_and_leaves_the_requeue_to_slurm(
+    tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
+) -> None:
+    """What a preemption (or a scancel) does to the batch shell: SIGTERM. The shell sends SIGTERM
+    to the ranks, waits for their emergency step, and does not requeue the job itself (a preempted
+    job is requeued by Slurm; this cluster has no preemption configured, so the job ends)."""
+    job = SlurmJob(
+        tmp_path,
+        corpus,
+        slurm_cluster,
+        {"train.steps": 500, "checkpoint.local.interval": 50, "fault_tolerance.emergency_save_timeout": 30},
+    )
+    job.submit()
+    try:
+        job.wait_for_step(12)
+        subprocess.run(["scancel", "--signal=TERM", "--batch", job.id], env=job.env, check=True)
+        state = job.wait_until(ENDED, 300)
+        text = job.log.read_text()
+        assert "TERM: preempted or cancelled" in text and "ranks exited after TERM" in text, text[-4000:]
+        assert "requeued" not in text and job.state()[1] == 0, "Slurm's requeue, never the script's"
+        assert state in ("FAILED", "CANCELLED"), state
+        (first,) = job.attempts()
+        assert first["status"] == "preempted" and first["emergency_published"] is True, first
+        assert first["last_step"] % 50 != 0, "the emergency step, not an interval step"
+    finally:
+        subprocess.run(["scancel", job.id], env=job.env, timeout=30)
+
+
+@pytest.mark.slow
 def test_a_failed_launcher_requeues_the_job_without_its_node(
     tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
 ) -> None:
@@ -229,7 +261,13 @@ def test_a_failed_launcher_requeues_the_job_without_its_node(
         job.wait_until(("PENDING",), 60)
         show = _show_job(job.id, job.env)
         assert "ExcNodeList=localhost" in show and "Restarts=1" in show, show
-        assert "srun: error: localhost: task 0: Exited with exit code 1" in job.log.read_text()
+        text = job.log.read_text()
+        assert "srun: error: localhost: task 0: Exited with exit code 1" in text
+        # Excluded for the record's evidence (its rank 1 was killed), not for exiting first.
+        host = socket.gethostname()  # the records name hosts; Slurm's node here is "localhost"
+        assert f"the run's records blame node localhost (host {host}): attempt 1: rank 1 on {host}" in text, text[
+            -3000:
+        ]
     finally:
         subprocess.run(["scancel", job.id], env=job.env, timeout=30)
 
@@ -328,3 +366,76 @@ def test_the_sbatch_sizes_tier0_in_dev_shm_as_pretrain_plan_does() -> None:
 
 def _rank_program_sources() -> str:
     return "".join(p.read_text() for p in (REPO / "pretrain").rglob("*.py"))
+
+
+def _held_job(env: dict[str, str], tmp: Path) -> str:
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--hold", f"--output={tmp}/held-%j.out", "--wrap", "true"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    return out.stdout.strip().split(";")[0]
+
+
+@pytest.mark.slow
+def test_the_epilog_removes_node_local_data_of_an_ended_job_never_of_a_pending_one(
+    tmp_path: Path, slurm_cluster: dict[str, str]
+) -> None:
+    """slurm/epilog.sh against the real slurmctld: a job that is PENDING (as a requeued job is)
+    keeps its tier-0/tier-1 directories; once cancelled they go, unless another live job of the
+    same run has a marker on the node."""
+    env = {**job_env(tmp_path), "SLURM_CONF": slurm_cluster["SLURM_CONF"], "NODE_STATE_DIR": str(tmp_path / "jobs")}
+    (tmp_path / "jobs").mkdir()
+    first, second = _held_job(env, tmp_path), _held_job(env, tmp_path)
+    dirs = {}
+    for job, run in ((first, "run-a"), (second, "run-a")):
+        dirs[job] = [tmp_path / "nvme" / run, tmp_path / "shm" / run]
+        for d in dirs[job]:
+            (d / "rank-00000").mkdir(parents=True, exist_ok=True)
+        marker = {"job": job, "run_id": run, "dirs": [str(d) for d in dirs[job]]}
+        (tmp_path / "jobs" / f"{job}.json").write_text(json.dumps(marker))
+    epilog = [str(REPO / "slurm" / "epilog.sh")]
+    try:
+        out = subprocess.run(epilog, capture_output=True, text=True, env={**env, "SLURM_JOB_ID": first}, check=True)
+        assert f"job {first} is PENDING" in out.stdout and all(d.exists() for d in dirs[first]), out.stdout
+        subprocess.run(["scancel", first], env=env, check=True)
+        _wait_state(first, env, "CANCELLED")
+        out = subprocess.run(epilog, capture_output=True, text=True, env={**env, "SLURM_JOB_ID": first}, check=True)
+        assert f"job {second} of run run-a uses this node: kept" in out.stdout, out.stdout
+        assert all(d.exists() for d in dirs[first])
+        subprocess.run(["scancel", second], env=env, check=True)
+        _wait_state(second, env, "CANCELLED")
+        out = subprocess.run(epilog, capture_output=True, text=True, env={**env, "EPILOG_ALL": "1"}, check=True)
+        assert not any(d.exists() for d in dirs[first]), out.stdout
+        assert f"job {first} (CANCELLED): removed {tmp_path / 'nvme' / 'run-a'}" in out.stdout, out.stdout
+        assert list((tmp_path / "jobs").iterdir()) == []
+    finally:
+        subprocess.run(["scancel", first, second], env=env, timeout=30)
+
+
+def _wait_state(job: str, env: dict[str, str], state: str) -> None:
+    deadline = time.monotonic() + 60
+    while _job_state(job, env)[0] != state:
+        assert time.monotonic() < deadline, _show_job(job, env)
+        time.sleep(0.3)
+
+
+def test_launch_leaves_the_epilog_a_marker_of_the_nodes_run_directories(tmp_path: Path) -> None:
+    env = {"NODE_STATE_DIR": str(tmp_path / "jobs")}
+    marker = mark_node_state("77", "run-a", ["/nvme/run-a", "/dev/shm/resilient-pretrain/run-a"], env)
+    assert marker == tmp_path / "jobs" / "77.json"
+    assert json.loads(marker.read_text()) == {
+        "job": "77",
+        "run_id": "run-a",
+        "dirs": ["/nvme/run-a", "/dev/shm/resilient-pretrain/run-a"],
+    }
+
+
+def test_pyxis_lets_the_hosts_image_digest_win_and_mounts_no_home() -> None:
+    """pyxis keeps an image ENV value over the exported host one unless --container-env names it
+    (its --help); the Dockerfile sets ENV IMAGE_DIGEST=unknown. Home is not mounted: a user's
+    ~/.local would shadow the image's packages."""
+    text = SBATCH.read_text()
+    (flags,) = re.findall(r"container=\(--container-image=.*?\)\n", text, re.S)
+    assert "--container-env=IMAGE_DIGEST,RDZV_HOST" in flags and "--no-container-mount-home" in flags
+    assert re.search(r"^#SBATCH --wait-all-nodes=1$", text, re.M)
+    assert 'srun_errors=$(mktemp "${TMPDIR:-/tmp}/pretrain-srun-' in text, "never a predictable /tmp name"

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shlex
@@ -66,6 +67,7 @@ from pretrain.commands.node_taint import keep_off
 from pretrain.config import check_room_to_exclude, check_world_size, load_config
 from pretrain.errors import ConfigError, LaunchError, NodeExcluded, NodeLaunchError
 from pretrain.observability.runlog import run_dir
+from pretrain.resilience.attempts import diagnose, needs_diagnosis, read_attempts
 from pretrain.resilience.excluded_nodes import read_excluded, refusal
 from pretrain.resilience.job_policy import refuse_if_stopped
 from pretrain.resilience.standby.beside import start_server
@@ -427,6 +429,64 @@ def excluded_nodes(config: str, extra_sets: list[str], env: Mapping[str, str] | 
     return ",".join(read_excluded(run_dir(cfg.run.dir, env.get("RUN_ID") or cfg.run.id)))
 
 
+def blamed_node(rdir: Path) -> tuple[str, str] | None:
+    """(node, evidence) the run's newest attempt record blames, or None: the host of its failed
+    rank when the failure is that rank's own (infrastructure: a crash, a kill, a hardware error),
+    not a peer lost to another node's failure nor a user, data or numerical error (those follow
+    the run to any node). An attempt that died with its record open is diagnosed from its phase and
+    failure records, read only. The sbatch requeue excludes this node, never merely the first
+    node whose task exited (usually a victim of ``--kill-on-bad-exit``)."""
+    records = read_attempts(rdir)
+    if not records:
+        return None
+    record = records[-1]
+    failure = diagnose(rdir, record) if needs_diagnosis(record) else record.get("failure")
+    if not failure or failure.get("classification") != "infrastructure" or failure.get("peer_lost"):
+        return None
+    rank = failure.get("rank")
+    culprits = set(failure.get("ranks") or [rank])  # ranks silent at once: blame only if on one node
+    hosts = [h for h, ranks in (record.get("ranks_by_host") or {}).items() if culprits & set(ranks)]
+    if rank is None or len(hosts) != 1:
+        return None
+    evidence = failure.get("evidence") or failure.get("exception") or f"exit code {failure.get('exit_code')}"
+    return hosts[0], f"attempt {record.get('attempt')}: rank {rank} on {hosts[0]}: {evidence}"
+
+
+def requeue_evidence(config: str, extra_sets: list[str], env: Mapping[str, str] | None = None) -> str:
+    """One line for the sbatch requeue: ``<blamed node or -> <progressed 0|1> <evidence>``;
+    progressed: the newest attempt trained past the step it restored (a healthy attempt, after
+    which the requeue's earlier exclusions are dropped)."""
+    env = os.environ if env is None else env
+    cfg = load_config(config, extra_sets)
+    rdir = run_dir(cfg.run.dir, env.get("RUN_ID") or cfg.run.id)
+    records = read_attempts(rdir)
+    last = records[-1] if records else {}
+    restored = (last.get("restored") or {}).get("step", 0) or 0
+    progressed = int((last.get("last_step") or 0) > restored)
+    blame = blamed_node(rdir)
+    node, evidence = blame if blame else ("-", "no attempt record blames a node")
+    return f"{node} {progressed} {' '.join(evidence.split())}"
+
+
+NODE_STATE_DIR = "/dev/shm/resilient-pretrain/.jobs"  # slurm/epilog.sh reads it (NODE_STATE_DIR)
+
+
+def mark_node_state(job_id: str, run_id: str, dirs: list[str], env: Mapping[str, str]) -> Path:
+    """Slurm: note on this node which run-local directories this job uses (tier 0 in /dev/shm,
+    tier 1 on the NVMe), so that slurm/epilog.sh can remove them once the job is finished or
+    cancelled, and never while it is requeued or another job of the run uses this node."""
+    root = Path(env.get("NODE_STATE_DIR") or NODE_STATE_DIR)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        marker = root / f"{job_id}.json"
+        tmp = marker.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"job": job_id, "run_id": run_id, "dirs": dirs}) + "\n", encoding="utf-8")
+        os.replace(tmp, marker)
+    except OSError as exc:
+        raise NodeLaunchError(f"NODE_STATE_DIR={root}: cannot write ({exc.strerror}); fix: make it writable") from exc
+    return marker
+
+
 def launch(
     config: str,
     nproc: int,
@@ -469,6 +529,12 @@ def launch(
         )
         print(shlex.join(argv))
         return 0
+    if plan.platform == "slurm":
+        run_id = plan.run_id or cfg.run.id
+        dirs = [str(Path(plan.local_nvme) / run_id)]
+        if cfg.checkpoint.memory.enabled:
+            dirs.append(str(Path(cfg.checkpoint.memory.dir) / run_id))
+        mark_node_state(env["SLURM_JOB_ID"], run_id, dirs, env)
     if cfg.fault_tolerance.standby:  # it ends with the launcher this process becomes
         start_server(child_env)
     os.execvpe(argv[0], argv, child_env)

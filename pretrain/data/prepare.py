@@ -121,7 +121,7 @@ def prepare_data(
     """``pretrain prepare-data``: the inputs' (or a synthetic corpus's) documents -> indexed dataset and
     report; with ``shard``, shard I of N (``skipped`` is true when it was already done)."""
     stats = ReadStats()
-    gates = DocumentGates(min_chars, dedup)
+    gates = DocumentGates(min_chars, dedup, spill_dir=Path(output_prefix).parent)
     if synthetic_mb is not None and shard is not None:
         raise DataError("--synthetic-mb with --shard: a synthetic corpus is not split; fix: drop --shard")
     if synthetic_mb is not None:
@@ -152,11 +152,14 @@ def prepare_data(
         docs = read_documents(files, json_key, skip_bad_lines, stats, skip_bad_files, read_chunk_bytes)
         source = ", ".join(map(str, files[:3])) + (f" (+{len(files) - 3} more)" if len(files) > 3 else "")
     started = time.perf_counter()
-    counts = build_indexed_dataset(
-        gates.filter(docs), prefix, tokenizer, tokenizer_path, workers, progress, source, shard is not None
-    )
-    if dedup:
-        atomic_write_bytes(shards.digests_path(prefix), bytes(gates.kept_digests))
+    try:
+        counts = build_indexed_dataset(
+            gates.filter(docs), prefix, tokenizer, tokenizer_path, workers, progress, source, shard is not None
+        )
+        if dedup:
+            gates.save_kept_digests(shards.digests_path(prefix))
+    finally:
+        gates.close()
     report = {
         "settings": settings,
         "documents": counts["documents"],

@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
-from pretrain.data.gates import DIGEST_BYTES
+from pretrain.data.gates import DIGEST_BYTES, DigestSet
 from pretrain.errors import DataError
 from tiering.fsio import atomic_write_bytes
 
@@ -147,17 +147,24 @@ def collect_shards(base: Path | str) -> tuple[int, dict[int, Path], dict[int, di
     return count, prefixes, reports
 
 
-def _read_digests(prefix: Path, documents: int) -> list[bytes]:
-    raw = digests_path(prefix).read_bytes()
-    if len(raw) != documents * DIGEST_BYTES:
+def _new_documents(prefix: Path, documents: int, seen: DigestSet) -> bytearray:
+    """Per document of the shard, 1 if no earlier document had its digest (it is added to ``seen``),
+    0 if one did; the shard's digests are read in pieces (memory bounded by the shard's count)."""
+    path = digests_path(prefix)
+    size = path.stat().st_size
+    if size != documents * DIGEST_BYTES:
         raise DataError(
-            f"{digests_path(prefix)}: {len(raw) // DIGEST_BYTES} digests for {documents} documents; fix: re-run "
+            f"{path}: {size // DIGEST_BYTES} digests for {documents} documents; fix: re-run "
             "that shard (its files are inconsistent)"
         )
-    return [raw[i : i + DIGEST_BYTES] for i in range(0, len(raw), DIGEST_BYTES)]
+    keep = bytearray()
+    with open(path, "rb") as f:
+        while piece := f.read(DIGEST_BYTES * 65536):
+            keep += bytes(seen.add(piece[i : i + DIGEST_BYTES]) for i in range(0, len(piece), DIGEST_BYTES))
+    return keep
 
 
-def _append_without(builder: IndexedDatasetBuilder, prefix: Path, keep: list[bool]) -> int:
+def _append_without(builder: IndexedDatasetBuilder, prefix: Path, keep: bytearray) -> int:
     """Copy the documents of ``prefix`` whose ``keep`` is true; return the tokens left out."""
     dataset = IndexedDataset(str(prefix))
     dropped_tokens = 0
@@ -184,28 +191,26 @@ def merge_shards(base: Path | str, output: Path | str) -> dict[str, Any]:
     # the dtype prepare-data wrote (Megatron's choice for the vocabulary); an empty shard has no .bin to ask
     dtype = DType.optimal_dtype(reports[0]["settings"]["tokenizer"]["vocab_size"])
     builder = IndexedDatasetBuilder(str(tmp[".bin"]), dtype=dtype)
-    seen: set[bytes] = set()
+    seen = DigestSet(out.parent) if dedup else None  # on disk: the merge sees every shard's digests
     across = {"documents": 0, "tokens": 0}
     try:
         for i in range(count):
-            keep = None
-            if dedup:
-                digests = _read_digests(prefixes[i], reports[i]["documents"])
-                keep = [d not in seen for d in digests]
-                seen.update(digests)
+            keep = _new_documents(prefixes[i], reports[i]["documents"], seen) if seen is not None else None
             if reports[i]["documents"] == 0:
                 continue  # an empty .bin cannot be mapped, and adds nothing
             if keep is None or all(keep):
                 builder.add_index(str(prefixes[i]))
             else:
                 across["tokens"] += _append_without(builder, prefixes[i], keep)
-                across["documents"] += keep.count(False)
+                across["documents"] += keep.count(0)
         builder.finalize(str(tmp[".idx"]))
         for suffix, path in tmp.items():
             os.replace(path, f"{out}{suffix}")
     finally:
         for path in tmp.values():
             path.unlink(missing_ok=True)
+        if seen is not None:
+            seen.close()
     return merged_report([reports[i] for i in range(count)], across)
 
 
