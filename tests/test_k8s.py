@@ -476,7 +476,8 @@ def test_failure_domain_comes_from_the_node_labels(overlay: str) -> None:
         assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
         assert token_mounted(init) and token_mounted(trainer), "both call the API server"
     label = env_configmap(docs)["FAILURE_DOMAIN_LABEL"]
-    assert label == ("kubernetes.io/hostname" if "cpu" in overlay else "topology.k8s.aws/network-node-layer-3")
+    chain = "topology.k8s.aws/network-node-layer-3,topology.k8s.aws/network-node-layer-2"  # then the node
+    assert label == ("kubernetes.io/hostname" if "cpu" in overlay else chain)
 
 
 # Node labels that EKS managed node groups, Karpenter and EKS Auto Mode all set on a P5 node.
