@@ -56,14 +56,14 @@ from pretrain.checkpointing.async_writer import save_state
 from pretrain.checkpointing.per_rank import load_verified_state
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec, chunk_count, chunk_range
-from tiering.fsio import fsync_dir, write_file_durably
 from tiering.layout import RunLayout
-from tiering.page_cache import ReadAhead, cached_bytes, evict
-from tiering.peer_restore import PeerRecovery
+from tiering.peer.replication import primary_store, replica_store
+from tiering.peer.restore import PeerRecovery
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import PIECE, SEND_SLOTS, Transport
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.replication import primary_store, replica_store
-from tiering.run_key import RunKey
-from tiering.transport import PIECE, SEND_SLOTS, Transport
+from tiering.system.fsio import fsync_dir, write_file_durably
+from tiering.system.page_cache import ReadAhead, cached_bytes, evict
 from tiering.verify import VERIFY_THREADS, verify_step
 
 STATE = "state.pt"
@@ -106,7 +106,7 @@ NO_ADVICE, NEXT_CHUNK, READ_AHEAD = "", " + next chunk advised", " + read-ahead 
 def raw_patterns(cold: bool) -> list[tuple[int, str]]:
     """The raw ways to read a file (block size, advice): 16 MiB reads (one request per chunk),
     4 MiB reads (cache-sized) and, cold, 4 MiB reads with each thread's next chunk advised before
-    it reads a chunk or with :class:`tiering.page_cache.ReadAhead` (what the verifier does)."""
+    it reads a chunk or with :class:`tiering.system.page_cache.ReadAhead` (what the verifier does)."""
     plain = [(DEFAULT_CHUNK_BYTES, NO_ADVICE), (READ_BLOCK, NO_ADVICE)]
     return plain + ([(READ_BLOCK, NEXT_CHUNK), (READ_BLOCK, READ_AHEAD)] if cold else [])
 

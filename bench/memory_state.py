@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from tiering.fsio import dir_size
+from tiering.system.fsio import dir_size
 
 VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
 REPORTING_FEATURE_BIT = 5  # VIRTIO_BALLOON_F_REPORTING (virtio spec 5.5.3)

@@ -41,7 +41,7 @@ from pretrain.checkpointing.async_writer import save_state
 from pretrain.checkpointing.per_rank import load_verified_state
 from tiering.digest import READ_BLOCK, HashSpec
 from tiering.manifest import Manifest
-from tiering.slot_store import SlotStore
+from tiering.memory.slot_store import SlotStore
 from tiering.verify import VERIFY_THREADS
 
 HASHING = HashSpec(threads=2)  # checkpoint.integrity's defaults: xxh3-128, 16 MiB chunks, 2 threads

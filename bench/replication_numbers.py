@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tiering.collective import SingleProcess, TorchCollective
-from tiering.peer_restore import PeerRecovery
-from tiering.placement import RankIdentity, replica_holders
+from tiering.peer.placement import RankIdentity, replica_holders
+from tiering.peer.replication import PeerReplicator, primary_store
+from tiering.peer.restore import PeerRecovery
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.replication import PeerReplicator, primary_store
-from tiering.run_key import RunKey
-from tiering.transport import Transport
 
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
 

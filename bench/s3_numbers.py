@@ -43,9 +43,9 @@ from bench.pairs import Pair
 from tiering.collective import SingleProcess
 from tiering.digest import DEFAULT_CHUNK_BYTES, PORTABLE_HASH, HashSpec, chunk_count, chunk_range
 from tiering.layout import RunLayout
-from tiering.objectstore import RANGE_PIECE_BYTES, S3Store, open_store
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.remote import RemoteTier
+from tiering.remote.objectstore import RANGE_PIECE_BYTES, S3Store, open_store
+from tiering.remote.tier import RemoteTier
 
 
 def make_step(root: Path, step: int, total_mb: int, shards: int = 4) -> Path:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from tiering.collective import SingleProcess
 from tiering.digest import LOCAL_HASH, HashSpec
-from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
 from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.system.fsio import write_file_durably
 from tiering.verify import committed_marker
 
 CHUNK = 64 * 1024  # the smallest chunk a manifest accepts: several chunks in a small file

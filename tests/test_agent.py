@@ -46,8 +46,8 @@ from tests.helpers import (
 )
 from tiering.digest import HashSpec
 from tiering.manifest import Manifest
-from tiering.replication import primary_store
-from tiering.slot_store import SlotStore
+from tiering.memory.slot_store import SlotStore
+from tiering.peer.replication import primary_store
 from tiering.verify import verify_step
 
 RUN = "t"

@@ -20,7 +20,7 @@ from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
 from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
 from tiering.digest import hash_file
-from tiering.posix import PosixTier
+from tiering.local.posix import PosixTier
 
 
 @pytest.mark.parametrize("mode", ["fork", "thread"])

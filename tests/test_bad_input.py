@@ -14,9 +14,9 @@ import pytest
 from tests.helpers import copy_tree, events, flip_byte, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess
 from tiering.errors import VerificationError
+from tiering.local.posix import PosixTier
+from tiering.local.restore import select_newest_verified
 from tiering.manifest import Manifest
-from tiering.posix import PosixTier
-from tiering.restore import select_newest_verified
 from tiering.verify import committed_marker, verify_step
 
 STEP30 = "t/steps/step-000000030"

@@ -28,16 +28,16 @@ from tiering.digest import (
     hash_file,
 )
 from tiering.errors import ReplicaRejected, VerificationError
-from tiering.fsio import write_file_durably
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME, Manifest
-from tiering.page_cache import cached_bytes, evict
-from tiering.peer_restore import PeerRecovery
+from tiering.peer.replication import primary_store, replica_store
+from tiering.peer.restore import PeerRecovery
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import Transport
 from tiering.publish import publish_received
-from tiering.remote import RemoteTier
-from tiering.replication import primary_store, replica_store
-from tiering.run_key import RunKey
-from tiering.transport import Transport
+from tiering.remote.tier import RemoteTier
+from tiering.system.fsio import write_file_durably
+from tiering.system.page_cache import cached_bytes, evict
 from tiering.verify import verify_step
 
 

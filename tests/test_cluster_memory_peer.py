@@ -20,8 +20,8 @@ import pytest
 from tests.cluster.job import metric_rows, node_local_mount, start_node, wait_exit, wait_metric_step
 from tests.cluster.netns import Cluster, unavailable
 from tests.helpers import TINY, events, job_env, metrics_by_step, overrides_for, torchrun_prefix
-from tiering.slot_store import SlotStore
-from tiering.slots import SlotState
+from tiering.memory.slot_store import SlotStore
+from tiering.memory.slots import SlotState
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pretrain.checkpointing import dcp_metadata
 from tiering.collective import SingleProcess
 from tiering.errors import VerificationError
-from tiering.posix import PosixTier
+from tiering.local.posix import PosixTier
+from tiering.local.restore import select_newest_verified
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.restore import select_newest_verified
 
 
 class _Gadget:

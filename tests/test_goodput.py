@@ -21,7 +21,7 @@ from pretrain.cli import main
 from pretrain.observability.goodput import CAUSES, GoodputCollector, goodput_from_records, goodput_of
 from pretrain.observability.metrics import TrainingMetrics
 from tests.helpers import PYTHON
-from tiering.uploader import UploaderMetrics
+from tiering.remote.uploader import UploaderMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -114,7 +114,7 @@ def test_every_module_imports() -> None:
 
 
 def test_tiering_imports_nothing_from_pretrain() -> None:
-    for path in (REPO / "tiering").glob("*.py"):
+    for path in (REPO / "tiering").rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) pretrain\b", text, re.M), path
 

@@ -24,9 +24,9 @@ from tests.helpers import TEST_KEY, TINY, flip_byte, two_gloo_ranks
 from tiering.collective import TorchCollective
 from tiering.digest import HashSpec
 from tiering.manifest import Manifest
-from tiering.peer_slots import Offer, PeerStream
-from tiering.slot_store import SlotStore
-from tiering.transport import Transport
+from tiering.memory.peer_slots import Offer, PeerStream
+from tiering.memory.slot_store import SlotStore
+from tiering.peer.transport import Transport
 from tiering.verify import verify_step
 
 HASHING = HashSpec(chunk_bytes=64 * 1024)  # several chunks per slot

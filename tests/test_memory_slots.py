@@ -23,8 +23,8 @@ from tiering.cli import main as cli_main
 from tiering.collective import SingleProcess
 from tiering.digest import HashSpec
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
-from tiering.slot_store import SlotStore
-from tiering.slots import SlotState, SlotView, common_step, loadable, newer_than, next_sequence, slot_to_write
+from tiering.memory.slot_store import SlotStore
+from tiering.memory.slots import SlotState, SlotView, common_step, loadable, newer_than, next_sequence, slot_to_write
 
 S = SlotView.sealed
 U = SlotView.unsealed

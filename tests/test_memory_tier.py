@@ -34,7 +34,7 @@ from tests.helpers import (
     torchrun,
     torchrun_prefix,
 )
-from tiering.slot_store import SlotStore
+from tiering.memory.slot_store import SlotStore
 
 pytestmark = pytest.mark.slow
 

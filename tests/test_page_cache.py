@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tiering.page_cache import KERNEL_DEFAULT_WINDOW, ReadAhead, advice_bytes, cached_bytes, evict
+from tiering.system.page_cache import KERNEL_DEFAULT_WINDOW, ReadAhead, advice_bytes, cached_bytes, evict
 
 CHUNK = 4 * 1024 * 1024 + 4097  # not page-aligned: neighbouring chunks share a page
 

@@ -1,7 +1,7 @@
 """The tier-0 peer stream's policy, in one process: the slot a round is sending is pinned (tier 0
 writes another while one qualifies), a slot tier 0 claimed for writing is never taken for a send
 until its new state is offered, and a stream that fell behind sends the newest offer. The rounds
-are run by a stand-in for :class:`tiering.peer_slots.PeerSlots` (its exchange needs two ranks and
+are run by a stand-in for :class:`tiering.memory.peer_slots.PeerSlots` (its exchange needs two ranks and
 is tested end to end in tests/test_memory_peer.py); the stream, its thread and its locking are real."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from tiering.peer_slots import Offer, PeerStream, RoundReport
+from tiering.memory.peer_slots import Offer, PeerStream, RoundReport
 
 
 class HeldRounds:

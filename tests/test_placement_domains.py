@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tiering.placement import RankIdentity, domain_levels, replica_holders, resolve_domains
+from tiering.peer.placement import RankIdentity, domain_levels, replica_holders, resolve_domains
 
 L3, L2, HOST = (
     "topology.k8s.aws/network-node-layer-3",
@@ -77,7 +77,7 @@ def test_a_job_under_one_switch_falls_back_to_the_node_in_one_line(caplog: pytes
     resolved, note = resolve_domains(ids, 2)
     assert [i.domain for i in resolved] == [i.node for i in ids]
     assert note == (f"failure domains: all 4 node(s) share {L3}=nn-a; all 4 node(s) share {L2}=spine-1; using {HOST}")
-    with caplog.at_level(logging.WARNING, logger="tiering.placement"):
+    with caplog.at_level(logging.WARNING, logger="tiering.peer.placement"):
         holders = replica_holders(ids, 2, allow_same_domain=False)  # not refused
     assert [r.getMessage() for r in caplog.records] == [note]
     assert _check(resolved, holders, 2) == (2, 0)

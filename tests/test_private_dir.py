@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tiering.errors import UnsafeDirectory
-from tiering.private_dir import private_dir
+from tiering.system.private_dir import private_dir
 
 OTHER_UID = 4242  # a user that is not this one (the squatter)
 
@@ -33,6 +33,7 @@ def test_a_new_root_is_0700_and_a_loose_one_of_ours_is_tightened(tmp_path: Path)
 def test_a_symlink_or_a_file_where_the_root_belongs_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "victim"
     target.mkdir()
+    target.chmod(0o755)  # whatever umask an earlier test left: the mode a chmod through the link would change
     link = tmp_path / "run-a"
     link.symlink_to(target)
     with pytest.raises(UnsafeDirectory) as err:
@@ -61,7 +62,7 @@ def _squatted(tmp_path: Path) -> None:
     os.chown(squat, OTHER_UID, OTHER_UID)
     squat.chmod(0o777)
     code = (
-        "import os, sys; from tiering.private_dir import private_dir; os.setuid(4343); "
+        "import os, sys; from tiering.system.private_dir import private_dir; os.setuid(4343); "
         f"private_dir(__import__('pathlib').Path({str(squat)!r}))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -72,7 +73,7 @@ def _squatted(tmp_path: Path) -> None:
     os.chown(parent, OTHER_UID, OTHER_UID)
     parent.chmod(0o777)
     code = (
-        "import os; from tiering.private_dir import private_dir; os.setuid(4343); "
+        "import os; from tiering.system.private_dir import private_dir; os.setuid(4343); "
         f"private_dir(__import__('pathlib').Path({str(parent / 'run-a')!r}))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

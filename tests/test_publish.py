@@ -11,7 +11,7 @@ import pytest
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError
 from tiering.layout import RunLayout
-from tiering.posix import PosixTier
+from tiering.local.posix import PosixTier
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.retention import KeepNewest
 from tiering.verify import verify_step

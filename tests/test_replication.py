@@ -24,7 +24,7 @@ from tests.helpers import (
 )
 from tiering.errors import ReplicaRejected
 from tiering.layout import RunLayout
-from tiering.placement import PlacementError, RankIdentity, replica_holders
+from tiering.peer.placement import PlacementError, RankIdentity, replica_holders
 from tiering.publish import publish_received
 from tiering.verify import verify_step
 

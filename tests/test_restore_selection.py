@@ -30,10 +30,10 @@ from tiering.collective import SingleProcess
 from tiering.errors import PublishError
 from tiering.layout import RunLayout
 from tiering.manifest import COMMITTED_NAME
-from tiering.remote import RemoteTier
-from tiering.replication import replica_store
-from tiering.run_key import RunKey
-from tiering.transport import Transport
+from tiering.peer.replication import replica_store
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import Transport
+from tiering.remote.tier import RemoteTier
 
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 

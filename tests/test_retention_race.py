@@ -18,10 +18,10 @@ from pretrain.checkpointing.per_rank import build_per_rank_checkpoints
 from tests.test_restore_selection import _cfg, _state, _train_to
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError
-from tiering.posix import QUARANTINE_KEEP_S, PosixTier
+from tiering.local.posix import QUARANTINE_KEEP_S, PosixTier
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.run_key import RunKey
-from tiering.transport import Transport
 
 
 class _PeerCommitFails(SingleProcess):

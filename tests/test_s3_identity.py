@@ -23,8 +23,8 @@ from tests.helpers import PYTHON, REPO
 from tests.test_s3_tier import RUN, make_step
 from tiering.errors import AccessDenied, LeaseError
 from tiering.layout import RunLayout
-from tiering.objectstore import open_store
-from tiering.remote import RemoteTier
+from tiering.remote.objectstore import open_store
+from tiering.remote.tier import RemoteTier
 
 PREFIX = "ckpt"
 POLICY = json.loads((REPO / "k8s" / "common" / "iam-policy.json").read_text())

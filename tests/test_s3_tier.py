@@ -13,15 +13,15 @@ import torch
 
 from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, read_jsonl, torchrun
-from tiering import remote_gc
 from tiering.collective import SingleProcess
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
-from tiering.objectstore import PreconditionFailed, open_store
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.remote import RemoteTier
+from tiering.remote import gc as remote_gc
+from tiering.remote.objectstore import PreconditionFailed, open_store
+from tiering.remote.tier import RemoteTier
 from tiering.verify import committed_marker, verify_step
 
 RUN = "t"

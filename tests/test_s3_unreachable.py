@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import events, free_port, overrides_for, torchrun
-from tiering.objectstore import open_store
-from tiering.remote_run import RemoteRun
+from tiering.remote.objectstore import open_store
+from tiering.remote.run import RemoteRun
 
 
 def _dead_endpoint() -> str:

@@ -14,7 +14,7 @@ from pretrain.soak.report import BREAKDOWN, fault_row, recovery_breakdown
 from pretrain.soak.runner import FaultEvent
 from pretrain.soak.schedule import PlannedFault
 from pretrain.soak.uploader import parse_metrics
-from tiering.uploader import UploaderMetrics
+from tiering.remote.uploader import UploaderMetrics
 
 NEXT = {"id": "b", "process_started_at": 103.0, "started_at": 109.0}
 RESTORE = {"event": "restore", "attempt": "b", "time": 111.0, "seconds": 0.5}

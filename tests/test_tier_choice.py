@@ -20,8 +20,8 @@ from pretrain.checkpointing.tiered import TieredCheckpointer
 from pretrain.config import Config
 from tests.test_restore_selection import TOPOLOGY, _assert_same, _cfg, _flip_a_byte, _state, _train_to, _weights
 from tiering.collective import TorchCollective
-from tiering.slot_store import SlotStore
-from tiering.slots import SlotState
+from tiering.memory.slot_store import SlotStore
+from tiering.memory.slots import SlotState
 
 
 @pytest.fixture

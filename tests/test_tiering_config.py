@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.helpers import PYTHON, TINY
 from tests.test_publish import _publish
-from tiering.remote import RemoteTier
+from tiering.remote.tier import RemoteTier
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -38,7 +38,9 @@ def test_pretrain_upload_and_gc_read_the_config_and_share_state_with_tiering(tmp
     # GC: the first pass (tiering flags) marks, the second (the config's keep) deletes.
     marked = _run("tiering", "gc", uri, "--run-id", "run", "--keep", "1", "--apply")
     assert marked.returncode == 0 and "marked now [10]; deleted []" in marked.stdout, marked.stderr
-    swept = _run("pretrain", "gc", *_config_args(staging, uri, "checkpoint.s3.keep=1"), "--apply")
+    swept = _run(
+        "pretrain", "gc", *_config_args(staging, uri, "checkpoint.s3.keep=1", "checkpoint.s3.gc_min_age_s=0"), "--apply"
+    )
     assert swept.returncode == 0 and "deleted [10]" in swept.stdout, swept.stderr
     assert RemoteTier.open(uri, "run").committed_steps() == [30, 20]
 
@@ -57,8 +59,8 @@ def test_config_errors_are_one_line_with_a_fix(tmp_path: Path) -> None:
 def test_tiering_imports_no_pretrain_module() -> None:
     probe = (
         "import importlib, pkgutil, sys, tiering\n"
-        "for mod in pkgutil.iter_modules(tiering.__path__):\n"
-        "    importlib.import_module('tiering.' + mod.name)\n"
+        "for mod in pkgutil.walk_packages(tiering.__path__, 'tiering.'):\n"
+        "    importlib.import_module(mod.name)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pretrain'))\n"
     )
     out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -72,7 +74,7 @@ def test_the_launcher_and_the_publish_protocol_load_no_torch() -> None:
     warnings into its one-line errors and takes seconds longer to start)."""
     probe = (
         "import sys\n"
-        "import pretrain.commands.launch, tiering.publish, tiering.verify, tiering.remote\n"
+        "import pretrain.commands.launch, tiering.publish, tiering.verify, tiering.remote.tier\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120)

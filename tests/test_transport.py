@@ -22,12 +22,12 @@ from tests.corruptions import CORRUPTIONS, RUN, SPEC, STATE, publish_step
 from tests.helpers import TEST_KEY, flip_byte, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.errors import VerificationError
-from tiering.fsio import write_file_durably
 from tiering.manifest import MANIFEST_NAME
-from tiering.peer_restore import PeerRecovery
+from tiering.peer.replication import PeerReplicator, primary_store, replica_store
+from tiering.peer.restore import PeerRecovery
+from tiering.peer.transport import SEND_SLOTS, OutgoingStep, Transport
 from tiering.publish import PosixStepPublisher, manifest_for, publish_received
-from tiering.replication import PeerReplicator, primary_store, replica_store
-from tiering.transport import SEND_SLOTS, OutgoingStep, Transport
+from tiering.system.fsio import write_file_durably
 
 CHUNK = SPEC.chunk_bytes
 PIECE = 4 * CHUNK  # 256 KiB messages: a 3 MiB file is 12 pieces through 3 send buffers

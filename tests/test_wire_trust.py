@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from tests.helpers import TEST_KEY, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
-from tiering.fsio import write_file_durably
+from tiering.peer.replication import PeerReplicator, primary_store, replica_store
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import CHANNEL, TAG_ACK, TAG_HEAD, TAG_SIZE, OutgoingStep, Transport
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.replication import PeerReplicator, primary_store, replica_store
-from tiering.run_key import RunKey
-from tiering.transport import CHANNEL, TAG_ACK, TAG_HEAD, TAG_SIZE, OutgoingStep, Transport
+from tiering.system.fsio import write_file_durably
 
 RUN = "trust"
 CHUNK = 64 * 1024

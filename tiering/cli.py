@@ -30,13 +30,14 @@ from pathlib import Path
 
 from tiering.errors import AccessDenied, LeaseError, VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
+from tiering.local.posix import PosixTier, StepStatus
 from tiering.manifest import MANIFEST_NAME, Manifest
-from tiering.objectstore import ObjectStoreError
-from tiering.posix import PosixTier, StepStatus
-from tiering.remote import RemoteTier
-from tiering.remote_lease import default_owner
-from tiering.slot_store import PEERS_DIR, SlotStore, is_slot_dir, parse_rank_dir
-from tiering.uploader import Backoff, Uploader, UploaderMetrics
+from tiering.memory.slot_store import PEERS_DIR, SlotStore, is_slot_dir, parse_rank_dir
+from tiering.remote.gc import MIN_AGE_S
+from tiering.remote.lease import default_owner
+from tiering.remote.objectstore import ObjectStoreError
+from tiering.remote.tier import RemoteTier
+from tiering.remote.uploader import Backoff, Uploader, UploaderMetrics
 from tiering.verify import verify_step
 
 
@@ -93,7 +94,7 @@ def _is_node_root(path: Path) -> bool:
 
 def _ls_node_roots(roots: list[Path], factor: int, as_json: bool) -> int:
     """Per-rank tiers 1-2: per step, which ranks have primary and replica copies, and whether they verify."""
-    from tiering.peer_restore import scan_node_root  # imports torch (~1 s): only this listing needs it
+    from tiering.peer.restore import scan_node_root  # imports torch (~1 s): only this listing needs it
 
     merged: dict[int, dict[str, dict[int, list[str]]]] = {}
     for root in roots:
@@ -315,7 +316,7 @@ def upload(
 ) -> int:
     """Promote committed ``staging`` steps to ``remote`` as ``owner``: what is pending, or keep
     polling (``watch``) until SIGTERM or ``max_seconds``, backing off while the store is down;
-    ``metrics_port``: serve :class:`tiering.uploader.UploaderMetrics` there.
+    ``metrics_port``: serve :class:`tiering.remote.uploader.UploaderMetrics` there.
 
     Prints ``{"uploaded": [...], "pending": [...]}`` and returns 0; returns 1 with one line on
     stderr if another owner holds the run or the store refuses.
@@ -343,10 +344,12 @@ def upload(
     return 0
 
 
-def gc(remote: RemoteTier, keep: int, milestone_every: int = 0, *, apply: bool = False) -> int:
+def gc(
+    remote: RemoteTier, keep: int, milestone_every: int = 0, *, apply: bool = False, min_age_s: float = MIN_AGE_S
+) -> int:
     """Object store retention (:class:`tiering.retention.ObjectStoreRetention`): a dry run
     unless ``apply``; marks on one pass and deletes on a later one. Prints the plan."""
-    plan = remote.gc(keep, milestone_every, dry_run=not apply)
+    plan = remote.gc(keep, milestone_every, dry_run=not apply, min_age_s=min_age_s)
     mode = "applied" if apply else "dry run (pass --apply to act)"
     print(f"gc {mode}: keep {plan.keep}; marked now {plan.marked_now}; deleted {plan.deleted}")
     return 0
@@ -380,7 +383,7 @@ def _upload(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    return gc(_remote(args), args.keep, args.milestone_every, apply=args.apply)
+    return gc(_remote(args), args.keep, args.milestone_every, apply=args.apply, min_age_s=args.min_age_s)
 
 
 def _restore(args: argparse.Namespace) -> int:
@@ -499,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=_positive, default=3, help="newest verified steps kept (and the one before)")
     g.add_argument("--milestone-every", type=int, default=0, help="also keep steps divisible by this (0: none)")
     g.add_argument("--apply", action="store_true")
+    g.add_argument(
+        "--min-age-s", type=float, default=MIN_AGE_S, help="delete a marked step only once its mark is this old"
+    )
     g.set_defaults(func=_gc)
     return parser
 

@@ -31,8 +31,8 @@ import blake3
 import xxhash
 
 from tiering.errors import VerificationError
-from tiering.hash_threads import hash_lanes
-from tiering.page_cache import ReadAhead
+from tiering.system.hash_threads import hash_lanes
+from tiering.system.page_cache import ReadAhead
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # measured: bench/suite.py --chunk-sweep (README)
 LOCAL_HASH = "xxh3-128"
@@ -133,7 +133,7 @@ def _workers(threads: int) -> int:
 # -- hashing a file that exists -------------------------------------------------------------------
 # Every chunk is read in cache-sized blocks, hashed while they are still in the CPU's cache (a whole
 # 16 MiB chunk read at once is not: 1.7x the raw read from the page cache, 4 MiB blocks ~1.1x), with
-# a read-ahead thread keeping the next chunks requested from a cold disk (tiering/page_cache.py).
+# a read-ahead thread keeping the next chunks requested from a cold disk (tiering/system/page_cache.py).
 # Hashing a cached file in place through a mapping was measured and not kept: 0.061 s against
 # 0.083 s per 2 GB when the pages came from writes, 0.17-0.25 s against 0.11 s when they came from
 # the read-ahead's advice (small folios: a page fault per 64 KiB; README "Checkpoint I/O").
@@ -239,7 +239,7 @@ class ChunkHashingSink:
         self._size = 0
         self._current: Hasher | None = None
         self._digests: dict[int, Hasher] = {}
-        self._lanes = hash_lanes(_workers(threads))  # kept threads: see tiering.hash_threads
+        self._lanes = hash_lanes(_workers(threads))  # kept threads: see tiering.system.hash_threads
 
     def writable(self) -> bool:
         return True
@@ -288,7 +288,7 @@ class ChunkChecker:
     """
 
     def __init__(self, threads: int = 2) -> None:
-        self._lanes = hash_lanes(_workers(threads))  # kept threads: see tiering.hash_threads
+        self._lanes = hash_lanes(_workers(threads))  # kept threads: see tiering.system.hash_threads
         self._futures: list[Future[ChunkFailure | None]] = []
 
     def check(self, rel: str, expected: ChunkedDigest, index: int, data: memoryview) -> Future[ChunkFailure | None]:

@@ -24,9 +24,9 @@ from typing import Any
 from tiering.collective import Collective
 from tiering.digest import DEFAULT_HASHING, ChunkedDigest, ChunkFailure, HashSpec, hash_file
 from tiering.errors import DiskFull, PublishError, ReplicaRejected, VerificationError
-from tiering.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
+from tiering.system.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.verify import committed_marker, verify_file
 
 log = logging.getLogger(__name__)

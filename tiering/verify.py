@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tiering.digest import check_file, short_file_reason
 from tiering.errors import VerificationError
-from tiering.fsio import sha256_file
 from tiering.layout import parse_step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
+from tiering.system.fsio import sha256_file
 
 # Hashing threads per verifying process: the restore is on the critical path, the cores are free.
 VERIFY_THREADS = max(1, os.cpu_count() or 1)

@@ -42,7 +42,7 @@ import torch
 
 from tiering.digest import DEFAULT_HASHING, ChunkedDigest, HashSpec
 from tiering.errors import TieringError
-from tiering.fsio import write_file_durably
+from tiering.system.fsio import write_file_durably
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ STORAGE_ERRORS = (OSError, TieringError)
 # A fork writer's first act is one byte on its pipe. A child that has not sent it this long after
 # the fork never ran any of its code: it is deadlocked in the interpreter's after-fork code, on a
 # lock another thread held at the fork (CPython gh-112275, fixed in 3.11.10 and 3.12; see
-# tiering.hash_threads). It is killed and the save fails at once, instead of passing, a stall
+# tiering.system.hash_threads). It is killed and the save fails at once, instead of passing, a stall
 # deadline later, for a stalled file system. The child is scheduled within milliseconds even on a
 # loaded machine; 10 s leaves room for a host swapping under memory pressure.
 FORK_START_S = 10.0

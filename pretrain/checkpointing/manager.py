@@ -95,7 +95,7 @@ class CheckpointManager:
         if any(not tier.within_step for tier in due):
             maybe_slow_save(self.cfg.fault_tolerance.inject, step)
         # Tier 0 last: the other tiers' writers fork, and a fork should find no other thread of
-        # this process at work (tier 0's writer would be one; see tiering.hash_threads).
+        # this process at work (tier 0's writer would be one; see tiering.system.hash_threads).
         for tier in sorted(due, key=lambda t: t.within_step):
             if self.background:
                 self._start_background(tier, step)

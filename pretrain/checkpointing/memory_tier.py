@@ -8,11 +8,11 @@ that copy only), the seal once the chunk digests are complete, the start-up memo
 check, turning the tier off when the tmpfs fills, and the tier-0 restore (agree on the newest step
 every rank can obtain from its own slots or from the peer copy its tier-2 peer holds, verify its
 chunks, fetch the peer copies needed, map it). The slot files survive the rank process and an
-ft_launcher restart; the peer copies (:mod:`tiering.peer_slots`, offered to the stream once every
+ft_launcher restart; the peer copies (:mod:`tiering.memory.peer_slots`, offered to the stream once every
 rank sealed a slot) survive the node.
 
-Never: writes a disk, decides slot rotation itself (:mod:`tiering.slots`), touches slot files other
-than through :class:`tiering.slot_store.SlotStore`, or orders restores across tiers
+Never: writes a disk, decides slot rotation itself (:mod:`tiering.memory.slots`), touches slot files other
+than through :class:`tiering.memory.slot_store.SlotStore`, or orders restores across tiers
 (:class:`pretrain.checkpointing.tiered.TieredCheckpointer` does). The checkpoint manager drives
 saves through the :class:`pretrain.checkpointing.tier.CheckpointTier` protocol; every method that
 takes or returns a save is collective, as for the other tiers.
@@ -58,11 +58,11 @@ from tiering.collective import Collective
 from tiering.digest import HashSpec
 from tiering.errors import PublishError, UnsafeDirectory, VerificationError
 from tiering.manifest import Manifest
-from tiering.peer_slots import Offer, PeerSlots, PeerStream
-from tiering.private_dir import private_dir
-from tiering.slot_store import SlotStore
-from tiering.slots import SlotView, common_step, loadable, newer_than, next_sequence, slot_to_write
-from tiering.transport import Transport
+from tiering.memory.peer_slots import Offer, PeerSlots, PeerStream
+from tiering.memory.slot_store import SlotStore
+from tiering.memory.slots import SlotView, common_step, loadable, newer_than, next_sequence, slot_to_write
+from tiering.peer.transport import Transport
+from tiering.system.private_dir import private_dir
 from tiering.verify import VERIFY_THREADS, read_manifest
 
 log = logging.getLogger(__name__)

@@ -53,14 +53,14 @@ from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError, TieringError, UnsafeDirectory
-from tiering.fsio import dir_size, write_file_durably
 from tiering.manifest import COMMITTED_NAME
-from tiering.peer_restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
-from tiering.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
-from tiering.private_dir import private_dir
+from tiering.peer.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
+from tiering.peer.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
+from tiering.peer.restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
+from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher
-from tiering.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
-from tiering.transport import Transport
+from tiering.system.fsio import dir_size, write_file_durably
+from tiering.system.private_dir import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ _HOST_COPIES: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
 
 class Replicator(Protocol):
     """Copies this rank's published step to its holders and receives the steps it holds
-    (:class:`tiering.replication.PeerReplicator`). Collective over every rank."""
+    (:class:`tiering.peer.replication.PeerReplicator`). Collective over every rank."""
 
     owners_held: list[int]  # the ranks whose replicas this rank holds
     coll: Collective  # its own group: a background publish runs its collectives there
@@ -85,7 +85,7 @@ class Replicator(Protocol):
 
 class Recovery(Protocol):
     """Finds, verifies (quarantining bad copies) and if needed fetches the newest step every rank
-    can obtain from tiers 1-2 (:class:`tiering.peer_restore.PeerRecovery`). Collective."""
+    can obtain from tiers 1-2 (:class:`tiering.peer.restore.PeerRecovery`). Collective."""
 
     def recover(self) -> PeerPlanResult: ...
 

@@ -82,9 +82,9 @@ from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import PublishError, VerificationError
-from tiering.posix import PosixTier
+from tiering.local.posix import PosixTier
+from tiering.local.restore import select_newest_verified
 from tiering.publish import PosixStepPublisher
-from tiering.restore import select_newest_verified
 from tiering.verify import verify_step
 
 log = logging.getLogger(__name__)

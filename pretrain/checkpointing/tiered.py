@@ -27,11 +27,11 @@ from pretrain.observability.runlog import run_dir
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, TorchCollective
 from tiering.errors import LeaseError
-from tiering.fsio import atomic_write_bytes
-from tiering.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
-from tiering.peer_restore import PeerPlanResult, PeerRestore
-from tiering.remote import RemoteTier
-from tiering.transport import Transport
+from tiering.peer.restore import PeerPlanResult, PeerRestore
+from tiering.peer.transport import Transport
+from tiering.remote.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
+from tiering.remote.tier import RemoteTier
+from tiering.system.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pretrain.config import Config, s3_owner
 from pretrain.errors import ConfigError
 from tiering import cli as tiering_cli
-from tiering.posix import PosixTier
-from tiering.remote import RemoteTier
+from tiering.local.posix import PosixTier
+from tiering.remote.tier import RemoteTier
 
 
 def remote_tier(cfg: Config) -> RemoteTier:
@@ -60,4 +60,5 @@ def run_upload(
 
 def run_gc(cfg: Config, *, apply: bool = False) -> int:
     """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``."""
-    return tiering_cli.gc(remote_tier(cfg), cfg.checkpoint.s3.keep, cfg.checkpoint.s3.milestone_every, apply=apply)
+    s3 = cfg.checkpoint.s3
+    return tiering_cli.gc(remote_tier(cfg), s3.keep, s3.milestone_every, apply=apply, min_age_s=s3.gc_min_age_s)

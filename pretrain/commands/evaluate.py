@@ -38,8 +38,8 @@ from pretrain.session import Session, build_session
 from tiering.collective import TorchCollective
 from tiering.errors import VerificationError
 from tiering.layout import RunLayout
-from tiering.peer_restore import PeerRestore
-from tiering.remote import RemoteTier
+from tiering.peer.restore import PeerRestore
+from tiering.remote.tier import RemoteTier
 from tiering.verify import verify_step
 
 

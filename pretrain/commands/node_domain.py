@@ -10,7 +10,7 @@ The domain is a chain, not one value: every configured label the node carries, i
 EKS's ``network-node-layer-3`` then ``-layer-2``), then ``kubernetes.io/hostname=<node>``, e.g.
 ``topology.k8s.aws/network-node-layer-3=nn-1,topology.k8s.aws/network-node-layer-2=nn-2,
 kubernetes.io/hostname=ip-1``. Only the trainer sees every node, so it picks the level
-(:func:`tiering.placement.resolve_domains`): a job under one layer-3 switch, or with a node whose
+(:func:`tiering.peer.placement.resolve_domains`): a job under one layer-3 switch, or with a node whose
 capacity reservation shows fewer layers, falls back to the next level, then the node, in one
 line. A node carrying none of the labels is therefore not refused: its chain is the node alone,
 and this command says so in its line. It never lists nodes (it reads exactly one) and writes

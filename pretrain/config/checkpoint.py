@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pretrain.config.fail import Fail, positive
-from tiering.objectstore import split_uri
+from tiering.remote.objectstore import split_uri
 
 
 @dataclass
@@ -85,6 +85,9 @@ class S3TierConfig:
     interval: int | None = None  # steps between promotions (default: checkpoint.reshardable.interval)
     keep: int = 3  # newest verified steps GC keeps
     milestone_every: int = 0  # also keep every step divisible by this (0: none)
+    # GC deletes a step it marked only once the mark is this old (a restore or an upload that read
+    # the step's listing before the mark still finds it); 0: on the next pass.
+    gc_min_age_s: float = 3600.0
     concurrency: int = 8  # parallel requests of an upload or restore
     multipart_chunk_mb: int = 64  # multipart upload part size (S3's minimum: 5)
     checksum_header: bool = False  # also send x-amz-checksum-sha256 (AWS S3; Ceph RGW ignores it)
@@ -104,6 +107,8 @@ class S3TierConfig:
             split_uri(self.uri)
         except ValueError as exc:
             fail("uri", str(exc), "use s3://bucket/prefix or file:///absolute/path")
+        if self.gc_min_age_s < 0:
+            fail("gc_min_age_s", f"must be >= 0, got {self.gc_min_age_s}", "use the default 3600 (0: the next pass)")
         if self.interval is not None and self.interval < 1:
             fail("interval", "must be >= 1", "set a positive interval")
         if self.keep < 1 or self.concurrency < 1 or self.multipart_chunk_mb < 5:

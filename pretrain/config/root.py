@@ -21,7 +21,7 @@ from pretrain.config.training import (
     ScheduleConfig,
     TrainConfig,
 )
-from tiering.remote_lease import default_owner
+from tiering.remote.lease import default_owner
 
 
 @dataclass

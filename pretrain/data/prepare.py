@@ -41,7 +41,7 @@ from pretrain.data.inputs import expand_inputs, inputs_digest, shard_files
 from pretrain.data.sources import READ_CHUNK_BYTES, ReadStats, read_documents, synthetic_documents
 from pretrain.data.tokenizer_files import open_codec
 from pretrain.errors import DataError
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 
 def token_dtype(vocab_size: int) -> type[np.number]:

@@ -27,7 +27,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 
 from pretrain.data.gates import DIGEST_BYTES, DigestSet
 from pretrain.errors import DataError
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 _SHARD_RE = re.compile(r"\.shard-(\d{5})-of-(\d{5})\.report\.json$")
 

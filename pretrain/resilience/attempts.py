@@ -28,7 +28,7 @@ from typing import Any
 from pretrain.platform.procfs import START_TICKS, stat_fields
 from pretrain.resilience.failures import Classification, FailureInfo
 from pretrain.resilience.phases import PULSE_S, fatal_signal, ranks_dir, read_phases, record_of
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 # A rank whose pulse stopped this long before every other rank's hung (a kill is seen by its peers

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 FILE = "excluded-nodes.jsonl"
 

@@ -18,7 +18,7 @@ fire on the launcher's first attempt only (a restart must be able to get past th
   that takes the GIL and never gives it back (a deadlock). These leave no ``fault_injected`` event:
   the next attempt must diagnose them from their real evidence;
 * ``s3_fault``: the uploader's S3 client is SIGKILLed after N multipart parts or sees N part
-  timeouts (applied by ``tiering.objectstore`` through ``pretrain upload``; tiering stays standalone).
+  timeouts (applied by ``tiering.remote.objectstore`` through ``pretrain upload``; tiering stays standalone).
 
 Each fault that fires leaves a ``fault_injected`` event (except the S3 and phase ones, whose
 evidence is the uploader's exit and the phase record) so that attempt records can tell an injected

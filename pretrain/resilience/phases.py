@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pretrain.resilience.restarts import launcher_restart_count
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import psutil
 
 from pretrain.soak.storage import StorageFaults
 from pretrain.soak.store_proxy import StoreProxy
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 STEP_GLOB = "step-*"
 

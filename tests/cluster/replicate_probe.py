@@ -4,7 +4,7 @@ Contract: ``python -m tests.cluster.replicate_probe RANK MASTER PORT NODE_ROOT C
 joins a gloo group of two (TCP store on ``MASTER:PORT``), then for round k = 1, 2, ... waits for
 ``CONTROL/go-k`` (the test sets the link's netem first), publishes a real tier-1 step ``k`` of
 ``BYTES`` random bytes under ``NODE_ROOT``, replicates it to the other rank with the production
-:class:`tiering.replication.PeerReplicator` (transport bound ``TIMEOUT_S``) and writes
+:class:`tiering.peer.replication.PeerReplicator` (transport bound ``TIMEOUT_S``) and writes
 ``CONTROL/round-k.rank-RANK.json`` with the seconds it took and the under-replicated owners.
 ``CONTROL/stop`` ends it.
 """
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tiering.collective import SingleProcess, TorchCollective
+from tiering.peer.replication import PeerReplicator, primary_store
+from tiering.peer.run_key import RunKey
+from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher, manifest_for
-from tiering.replication import PeerReplicator, primary_store
-from tiering.run_key import RunKey
-from tiering.transport import Transport
 
 RUN = "probe"
 

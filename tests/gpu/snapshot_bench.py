@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, save_state
-from tiering.fsio import write_file_durably
+from tiering.system.fsio import write_file_durably
 
 SIZES = {  # parameters, GEMM side, GEMMs per step, steps per timing window
     "cuda": {"params": 800_000_000, "gemm": 8192, "gemms": 60, "steps": 20},

@@ -25,14 +25,14 @@ from typing import IO
 from tiering.collective import SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import DiskFull, TieringError, VerificationError
-from tiering.fsio import write_file_durably
 from tiering.layout import parse_tmp_name
+from tiering.local.posix import PosixTier
 from tiering.manifest import Manifest
-from tiering.posix import PosixTier
+from tiering.memory.slot_store import STATE_FILE, SlotStore
+from tiering.peer.replication import primary_store
 from tiering.publish import PosixStepPublisher
-from tiering.replication import primary_store
 from tiering.retention import KeepNewest
-from tiering.slot_store import STATE_FILE, SlotStore
+from tiering.system.fsio import write_file_durably
 from tiering.verify import read_manifest
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from typing import Any
 from pretrain.checkpointing.agent.drain import Persist, SlotDrain
 from pretrain.resilience.hang_watch import HangWatch
 from pretrain.resilience.standby.wire import receive, require_same_user, send
-from tiering.fsio import atomic_write_bytes
+from tiering.system.fsio import atomic_write_bytes
 
 log = logging.getLogger("pretrain.agent")
 

@@ -8,7 +8,7 @@ A marked step is deleted only once its mark is ``min_age_s`` old (one hour by de
 dated in the future counts from now): two passes in a row never delete at once. Uncommitted
 leftovers older than the newest committed step are garbage too (newer ones may be uploads in
 progress). A step is deleted ``COMMITTED`` first, so a half-deleted step is never mistaken for a
-committed one. Called by ``tiering gc`` through :class:`tiering.remote.RemoteTier`; it never
+committed one. Called by ``tiering gc`` through :class:`tiering.remote.tier.RemoteTier`; it never
 uploads a step.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from tiering.errors import ObjectNotFound, VerificationError
 from tiering.manifest import COMMITTED_NAME
-from tiering.remote_download import read_remote_manifest
-from tiering.remote_run import RemoteRun
-from tiering.remote_upload import latest_hint
+from tiering.remote.download import read_remote_manifest
+from tiering.remote.run import RemoteRun
+from tiering.remote.upload import latest_hint
 from tiering.retention import ObjectStoreRetention, StepView
 
 MARKS_KEY = ("gc", "marks.json")

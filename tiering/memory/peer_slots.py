@@ -2,14 +2,14 @@
 back from there to a rank whose node was lost.
 
 The holder keeps them at ``<memory dir>/<run id>/peers/rank-NNNNN/slot-K`` (the owner's rank), in
-the owner's slot layout (:class:`tiering.slot_store.SlotStore` with ``peer=True``), so ``tiering ls``
+the owner's slot layout (:class:`tiering.memory.slot_store.SlotStore` with ``peer=True``), so ``tiering ls``
 and ``tiering verify`` read them; at most ``slots`` copies per owner, one of them being received.
 
 * :class:`PeerSlots` runs one exchange on the peer stream's own gloo group through
-  :class:`tiering.transport.Transport`. :meth:`PeerSlots.stream_round` sends this rank's offered
+  :class:`tiering.peer.transport.Transport`. :meth:`PeerSlots.stream_round` sends this rank's offered
   slot to its holders (verified chunk by chunk as it is read, so a slot rewritten meanwhile fails
   the send instead of travelling torn) and receives each owner's into the slot
-  :func:`tiering.slots.slot_to_write` picks: unsealed before its first byte lands, sealed only once
+  :func:`tiering.memory.slots.slot_to_write` picks: unsealed before its first byte lands, sealed only once
   every chunk matched the owner's manifest. :meth:`PeerSlots.fetch` sends a held copy back to its
   owner, which seals it as one of its own slots.
 * :class:`PeerStream` runs the stream rounds on a thread of its own. The training thread only
@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Protocol
 
 from tiering.errors import PublishError, VerificationError
+from tiering.memory.slot_store import SlotStore
+from tiering.memory.slots import SlotState, loadable, next_sequence, slot_to_write
+from tiering.peer.transport import OutgoingStep, Transport
 from tiering.publish import ReceivedStep, check_received
-from tiering.slot_store import SlotStore
-from tiering.slots import SlotState, loadable, next_sequence, slot_to_write
-from tiering.transport import OutgoingStep, Transport
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class PeerStream:
     like any others.
 
     The slot being sent is pinned: tier 0 picks its next slot through :meth:`claim_slot_to_write`,
-    which passes the pin to :func:`tiering.slots.slot_to_write`, and a slot claimed for writing is
+    which passes the pin to :func:`tiering.memory.slots.slot_to_write`, and a slot claimed for writing is
     never taken for a send until its new state is offered. Without the pin, a send slower than a
     step failed every time once tier 0 rotated back into the slot being read (under load the peer
     copy then never landed with two or three slots)."""

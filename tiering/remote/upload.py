@@ -4,7 +4,7 @@ Order: every object (resumable: one already there with the right size and digest
 check of each, ``manifest.json``, ``COMMITTED`` (bound to the manifest), then ``latest.json``
 (a conditional write: it never moves back). The local step is verified while its objects upload; a
 step that fails is never committed (its objects stay uncommitted garbage for GC). Called by
-:class:`tiering.remote.RemoteTier` (the uploader, benchmarks); it never deletes an object.
+:class:`tiering.remote.tier.RemoteTier` (the uploader, benchmarks); it never deletes an object.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 from tiering.errors import CheckpointError, ObjectNotFound, VerificationError
 from tiering.layout import step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
-from tiering.objectstore import PreconditionFailed
-from tiering.remote_run import RemoteRun
+from tiering.remote.objectstore import PreconditionFailed
+from tiering.remote.run import RemoteRun
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 LATEST_NAME = "latest.json"

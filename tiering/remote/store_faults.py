@@ -1,7 +1,7 @@
 """Deliberate faults of the object store client, for tests and drills only: kept out of the store
-itself (:mod:`tiering.objectstore` holds no test code). ``tiering upload --inject-fault`` and the
+itself (:mod:`tiering.remote.objectstore` holds no test code). ``tiering upload --inject-fault`` and the
 training config's ``fault_tolerance.inject.s3_fault`` (through ``pretrain upload``) install them
-on a store that :func:`tiering.objectstore.open_store` returned; server-side faults (cut bodies,
+on a store that :func:`tiering.remote.objectstore.open_store` returned; server-side faults (cut bodies,
 throttling, a dead endpoint) come from the test proxy in ``tests/cluster/s3proxy.py``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import signal
 from typing import Any
 
-from tiering.objectstore import ObjectStore
+from tiering.remote.objectstore import ObjectStore
 
 
 def install_s3_faults(store: ObjectStore, spec: str) -> None:

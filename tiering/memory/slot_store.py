@@ -1,6 +1,6 @@
 """Tier-0 slot files: ``<root>/<run_id>/rank-NNNNN/slot-K/{state.pt, manifest.json, COMMITTED}``,
 and the peer copies a rank holds for another rank: ``<root>/<run_id>/peers/rank-NNNNN/slot-K``
-(the owner's rank; the same layout, filled by :mod:`tiering.peer_slots`).
+(the owner's rank; the same layout, filled by :mod:`tiering.memory.peer_slots`).
 
 A slot is a step directory in the manifest-v2 layout, so :func:`tiering.verify.verify_step` (and
 ``tiering verify``/``tiering ls``) read it like any other tier. The header is the pair
@@ -14,7 +14,7 @@ A slot is a step directory in the manifest-v2 layout, so :func:`tiering.verify.v
   complete payload are known,
 
 so a kill at any instant leaves the slot either sealed with the bytes its digests describe or
-unsealed (never loaded). Which slot to write or load is :mod:`tiering.slots`' decision; the
+unsealed (never loaded). Which slot to write or load is :mod:`tiering.memory.slots`' decision; the
 memory tier (``pretrain/checkpointing/memory_tier.py``) drives it. The store never decides policy
 and never hashes while the payload's source may still change (the caller hashes the file).
 """
@@ -31,9 +31,9 @@ from typing import IO
 
 from tiering.digest import ChunkedDigest, HashSpec, hash_file
 from tiering.errors import VerificationError
-from tiering.fsio import atomic_write_bytes
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
-from tiering.slots import SlotView
+from tiering.memory.slots import SlotView
+from tiering.system.fsio import atomic_write_bytes
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 STATE_FILE = "state.pt"

@@ -7,7 +7,7 @@ then one SHA-256 pass. Bytes land in a temporary directory and are published loc
 atomic rename as a local save) only after every byte verified; a step that fails is reported as a
 :class:`VerificationError` naming the object and chunk, and an older step is tried. A missing
 object is :class:`ObjectNotFound` from the store, caught around that one request only. Called by
-:class:`tiering.remote.RemoteTier` (the trainer's restore, ``tiering restore``, ``pretrain
+:class:`tiering.remote.tier.RemoteTier` (the trainer's restore, ``tiering restore``, ``pretrain
 evaluate``); it never writes to the store.
 """
 
@@ -24,8 +24,8 @@ from tiering.errors import ObjectNotFound, TransferInterrupted, VerificationErro
 from tiering.layout import RunLayout
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.publish import publish_dir
-from tiering.remote_run import RemoteRun
-from tiering.remote_upload import latest_hint
+from tiering.remote.run import RemoteRun
+from tiering.remote.upload import latest_hint
 from tiering.verify import committed_marker, verify_step
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ Every pair of ranks that may talk exchanges header sizes first (0 means "nothing
 rank whose save failed never leaves its peer waiting, and a receiver that cannot write still drains
 what it is sent. Every wait has a timeout: a dead or hung peer costs at most ``timeout_s``.
 
-Nothing a peer sends is trusted before it is checked (:mod:`tiering.run_key` is the contract):
+Nothing a peer sends is trusted before it is checked (:mod:`tiering.peer.run_key` is the contract):
 
 * Every header carries an HMAC-SHA256 tag under the run key's ``"transport"`` channel over the
   destination rank and the header bytes; the header holds the owner's manifest, hence every chunk
@@ -56,8 +56,8 @@ import torch.distributed as dist
 from tiering.digest import ChunkChecker, ChunkedDigest, ChunkFailure
 from tiering.errors import VerificationError
 from tiering.manifest import MANIFEST_NAME, Manifest, check_relative_path
+from tiering.peer.run_key import TAG_BYTES, RunKey
 from tiering.publish import ReceivedStep
-from tiering.run_key import TAG_BYTES, RunKey
 from tiering.verify import verify_step
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from tiering.errors import CheckpointError, LeaseError, VerificationError
 from tiering.layout import parse_step_name
+from tiering.local.posix import PosixTier
 from tiering.manifest import COMMITTED_NAME
-from tiering.objectstore import ObjectStoreError
-from tiering.posix import PosixTier
-from tiering.remote import RemoteTier
-from tiering.remote_upload import UploadResult
+from tiering.remote.objectstore import ObjectStoreError
+from tiering.remote.tier import RemoteTier
+from tiering.remote.upload import UploadResult
 
 log = logging.getLogger(__name__)
 

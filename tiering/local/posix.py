@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiering.errors import VerificationError
-from tiering.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.retention import KeepNewest, RetentionPolicy
+from tiering.system.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.verify import read_manifest, verify_step
 
 log = logging.getLogger(__name__)

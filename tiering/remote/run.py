@@ -2,7 +2,7 @@
 
 Keys under ``<prefix>/<run id>/``::
 
-    run.json                               the run lease (:mod:`tiering.remote_lease`)
+    run.json                               the run lease (:mod:`tiering.remote.lease`)
     steps/step-000000123/<file>            immutable objects: chunk digests in our manifest (the hash it
                                            names: BLAKE3 for promoted steps; v1: one SHA-256), the whole
                                            digest tagged with its hash in the object's metadata
@@ -16,7 +16,7 @@ verifies every byte against the manifest before using it.
 
 :class:`RemoteRun` is what the four protocols (lease, upload and ``latest``, verified download,
 GC; one module each) share. It reads only listings and never writes an object. Callers use
-:class:`tiering.remote.RemoteTier`, which is a ``RemoteRun`` with the protocols' entry points.
+:class:`tiering.remote.tier.RemoteTier`, which is a ``RemoteRun`` with the protocols' entry points.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 from tiering.errors import ObjectStoreError
 from tiering.layout import parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME
-from tiering.objectstore import ObjectStore
+from tiering.remote.objectstore import ObjectStore
 
 
 class RemoteRun:

@@ -20,10 +20,10 @@ from typing import Any
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.layout import parse_step_name
-from tiering.posix import PosixTier
+from tiering.local.posix import PosixTier
+from tiering.peer.replication import primary_store, replica_store
+from tiering.peer.transport import OutgoingStep, Transport
 from tiering.publish import publish_received
-from tiering.replication import primary_store, replica_store
-from tiering.transport import OutgoingStep, Transport
 from tiering.verify import read_manifest
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Tier-0 slot rotation and sealing: which slot to write, which to load. Pure logic, no I/O.
 
-A rank keeps its newest states in ``n`` slots (memory-backed files, :mod:`tiering.slot_store`).
+A rank keeps its newest states in ``n`` slots (memory-backed files, :mod:`tiering.memory.slot_store`).
 Each slot has a header (the slot's ``manifest.json`` and ``COMMITTED`` marker: run id, step,
 sequence number, sizes, chunk digests) that is removed before the slot is written and written
 again only once every chunk digest is complete, so a slot is either *sealed* (loadable after its

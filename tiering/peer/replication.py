@@ -18,9 +18,9 @@ from pathlib import Path
 
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
-from tiering.posix import PosixTier
+from tiering.local.posix import PosixTier
+from tiering.peer.transport import OutgoingStep, ReceivedStep, Transport
 from tiering.publish import publish_received
-from tiering.transport import OutgoingStep, ReceivedStep, Transport
 
 log = logging.getLogger(__name__)
 

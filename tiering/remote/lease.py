@@ -15,8 +15,8 @@ import socket
 import time
 
 from tiering.errors import AccessDenied, LeaseError, ObjectNotFound
-from tiering.objectstore import PreconditionFailed
-from tiering.remote_run import RemoteRun
+from tiering.remote.objectstore import PreconditionFailed
+from tiering.remote.run import RemoteRun
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Tier 3: verified steps in an object store (S3, or ``file://`` with the same protocol).
 
-:class:`RemoteTier` is the one object callers hold: a :class:`tiering.remote_run.RemoteRun` (the
+:class:`RemoteTier` is the one object callers hold: a :class:`tiering.remote.run.RemoteRun` (the
 run's keys and listing; the key layout is documented there) with the entry points of the four
 protocols, each in its own module:
 
-* the run lease: :mod:`tiering.remote_lease`
-* upload and the ``latest.json`` hint: :mod:`tiering.remote_upload`
-* verified download and restore of the newest verified step: :mod:`tiering.remote_download`
-* garbage collection: :mod:`tiering.remote_gc`
+* the run lease: :mod:`tiering.remote.lease`
+* upload and the ``latest.json`` hint: :mod:`tiering.remote.upload`
+* verified download and restore of the newest verified step: :mod:`tiering.remote.download`
+* garbage collection: :mod:`tiering.remote.gc`
 
 This module holds no protocol logic of its own: it opens the store and delegates.
 """
@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiering import remote_download, remote_gc, remote_lease, remote_upload
 from tiering.layout import RunLayout
 from tiering.manifest import Manifest
-from tiering.objectstore import open_store
-from tiering.remote_gc import GcPlan
-from tiering.remote_run import RemoteRun
-from tiering.remote_upload import UploadResult
-from tiering.store_faults import install_s3_faults
+from tiering.remote import download as remote_download
+from tiering.remote import gc as remote_gc
+from tiering.remote import lease as remote_lease
+from tiering.remote import upload as remote_upload
+from tiering.remote.gc import GcPlan
+from tiering.remote.objectstore import open_store
+from tiering.remote.run import RemoteRun
+from tiering.remote.store_faults import install_s3_faults
+from tiering.remote.upload import UploadResult
 
 __all__ = ["RemoteTier"]
 
@@ -81,5 +84,8 @@ class RemoteTier(RemoteRun):
     ) -> tuple[int | None, list[tuple[int, str]]]:
         return remote_download.restore_newest(self, layout, attempt, exclude)
 
-    def gc(self, keep: int, milestone_every: int, dry_run: bool = True) -> GcPlan:
-        return remote_gc.gc(self, keep, milestone_every, dry_run)
+    def gc(
+        self, keep: int, milestone_every: int, dry_run: bool = True, min_age_s: float = remote_gc.MIN_AGE_S
+    ) -> GcPlan:
+        """Mark beyond retention; delete what an earlier pass marked at least ``min_age_s`` ago."""
+        return remote_gc.gc(self, keep, milestone_every, dry_run, min_age_s=min_age_s)
