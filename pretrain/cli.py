@@ -13,6 +13,7 @@ from pretrain.checkpointing.tiering_config import run_gc, run_upload
 from pretrain.commands.plan_command import add_plan_arguments
 from pretrain.config import load_config
 from pretrain.errors import ConfigError, DataError
+from pretrain.resilience.fast_exit import leave_now, under_launcher
 from pretrain.resilience.standby.client import forward
 from tiering.cli import configure_logging
 from tiering.errors import LeaseError
@@ -28,7 +29,14 @@ def _train(args: argparse.Namespace) -> int:
     defer_torch_compile()  # before Megatron is imported: each rank start saves ~3 s of CPU
     from pretrain.train import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except BaseException as exc:
+        # The attempt recorded the failure: under a launcher the rank leaves now, as run() would
+        # have ended it (the same line or traceback, the same status), without the teardown.
+        if under_launcher() and not cfg.fault_tolerance.inprocess.enabled:
+            leave_now(exc, _one_line(exc))
+        raise
     return 0
 
 
@@ -443,12 +451,20 @@ def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except DataError as exc:  # recorded as a data failure by the attempt; the user needs one line
-        print(f"data error: {exc}", file=sys.stderr)
-        return 1
-    except LeaseError as exc:
-        print(f"lease error: {exc}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, LeaseError) as exc:
+        one = _one_line(exc)
+        assert one is not None
+        print(one[0], file=sys.stderr)
+        return one[1]
+
+
+def _one_line(exc: BaseException) -> tuple[str, int] | None:
+    """The line and exit status of an error the user needs one line for (a data error is also
+    recorded as a data failure by the attempt); None for any other."""
+    if isinstance(exc, ConfigError):
+        return f"config error: {exc}", 2
+    if isinstance(exc, DataError):
+        return f"data error: {exc}", 1
+    if isinstance(exc, LeaseError):
+        return f"lease error: {exc}", 2
+    return None

@@ -43,7 +43,6 @@ from pretrain.platform.device_memory import TorchDeviceMemory, wait_for_device_m
 from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.excluded_nodes import exclude, path_of
-from pretrain.resilience.fast_exit import leave_now, under_launcher
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
@@ -152,9 +151,6 @@ def _train_in_group(cfg: Config, rank: int, world: int, phases: PhaseRecord | No
         raise
     except BaseException as exc:
         fail_attempt(ctx, exc)
-        if under_launcher() and not cfg.fault_tolerance.inprocess.enabled:
-            close_attempt(ctx)
-            leave_now(exc, before=wait_for_writer_warmup)  # recorded: the teardown is not worth seconds
         raise
     finally:
         close_attempt(ctx)

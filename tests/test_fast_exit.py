@@ -23,7 +23,7 @@ logging.getLogger("rank").error("rank 1 failed (user): RuntimeError: boom")
 try:
     raise RuntimeError("boom")
 except RuntimeError as exc:
-    leave_now(exc, before=lambda: print("before ran", flush=True))
+    leave_now(exc, ("config error: x.yaml: boom; fix: y", 2) if sys.argv[1:] == ["one-line"] else None)
 """
 
 
@@ -33,7 +33,6 @@ def test_a_failed_rank_leaves_at_once_with_its_traceback_and_without_its_childre
     took = time.monotonic() - t0
     assert done.returncode == 1
     assert took < 20, f"it waited for the thread or the child: {took:.1f}s"
-    assert "before ran" in done.stdout
     assert "rank 1 failed (user)" in done.stderr and done.stderr.rstrip().endswith("RuntimeError: boom")
     assert "Traceback (most recent call last)" in done.stderr
     child = int(done.stdout.split("child ")[1].split()[0])
@@ -41,6 +40,13 @@ def test_a_failed_rank_leaves_at_once_with_its_traceback_and_without_its_childre
     while not process_ended(child):
         assert time.monotonic() < deadline, "the multiprocessing child outlived the rank"
         time.sleep(0.05)
+
+
+def test_an_error_the_user_needs_one_line_for_ends_with_that_line_and_status() -> None:
+    """As ``pretrain train`` ends a config, data or lease error: one line, no traceback, exit 2."""
+    done = subprocess.run([sys.executable, "-c", PROGRAM, "one-line"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.rstrip().endswith("config error: x.yaml: boom; fix: y") and "Traceback" not in done.stderr
 
 
 def test_the_exit_status_is_the_one_the_interpreter_would_give() -> None:
