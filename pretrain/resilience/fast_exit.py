@@ -10,9 +10,12 @@ an exit. :func:`leave_now` prints the traceback as the interpreter would, flushe
 the standard streams, and ends the process with ``os._exit``: the kernel closes its sockets (the
 peers' collectives fail at once) and the launcher sees the exit at its next poll.
 
+It also serves the ways out that are ``SystemExit`` but end an attempt early (a preemption's
+emergency save published, a straggler excluded), with their exit codes.
+
 Never: used without a launcher (``TORCHELASTIC_RUN_ID`` unset: a test or a caller in the same
 process gets the exception), under NVRx's in-process restart (the exception is what restarts it),
-or for a clean end of the run.
+or when the run trained to its end.
 """
 
 from __future__ import annotations
