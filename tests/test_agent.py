@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ import torch
 from pretrain.checkpointing.agent.client import AgentLink
 from pretrain.checkpointing.agent.drain import TORN, Persist, SlotDrain
 from pretrain.checkpointing.agent.server import AgentSpec
+from pretrain.checkpointing.agent_tier import AgentTier
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.commands.status import format_status
 from pretrain.errors import AgentGone
@@ -44,7 +46,9 @@ from tests.helpers import (
     tmpfs,
     torchrun,
 )
+from tiering.collective import SingleProcess
 from tiering.digest import HashSpec
+from tiering.errors import PublishError
 from tiering.manifest import Manifest
 from tiering.memory.slot_store import SlotStore
 from tiering.peer.replication import primary_store
@@ -387,3 +391,93 @@ def _saved(run: Path, step: int) -> bool:
 def _trained_to(run: Path) -> int:
     path = run / "metrics.jsonl"
     return max((r.get("step", 0) for r in read_jsonl(path)), default=0) if path.exists() else 0
+
+
+def test_a_step_published_with_other_bytes_is_not_taken_for_this_request(shm_dir: Path, tmp_path: Path) -> None:
+    """The run resumed from an older step and saves step 20 again: the step 20 of the abandoned
+    timeline, already in tier 1, is not this state; the request fails instead of answering ok."""
+    drain = drain_for(shm_dir, tmp_path)
+    seal(shm_dir, 0, 0, 20, os.urandom(4096))
+    assert drain.persist(Persist(0, 0, 20)) is None
+    assert drain.persist(Persist(0, 0, 20)) is None  # the same bytes asked again: done
+    seal(shm_dir, 0, 1, 20, os.urandom(4096))  # the new timeline's step 20
+    error = drain.persist(Persist(0, 1, 20))
+    assert error is not None and "published with other bytes" in error
+
+
+def test_a_storage_error_outside_a_copy_costs_that_request_not_the_agent(shm_dir: Path, tmp_path: Path) -> None:
+    """The rank's tier-1 folder cannot be listed (a file where it belongs): the request fails with
+    its reason and the agent's worker goes on to persist the next one."""
+    spec = spec_for(shm_dir, tmp_path)
+    link = AgentLink(spec)
+    steps = primary_store(tmp_path / "ckpt" / RUN, 0, RUN, 2).layout.steps_dir
+    steps.parent.mkdir(parents=True)
+    steps.write_text("not a directory")
+    pid = None
+    try:
+        seal(shm_dir, 0, 0, 10, os.urandom(4096))
+        link.request({"op": "persist", "rank": 0, "slot": 0, "step": 10})
+        pid = link.request({"op": "status", "rank": 0})["pid"]
+        wait_for(lambda: "10" in link.request({"op": "status", "rank": 0})["ranks"].get("0", {}).get("failed", {}))
+        steps.unlink()
+        seal(shm_dir, 0, 1, 20, os.urandom(4096))
+        link.request({"op": "persist", "rank": 0, "slot": 1, "step": 20})
+        wait_for(lambda: persisted(link, 0, 20))
+        assert link.request({"op": "status", "rank": 0})["pid"] == pid  # the same agent
+    finally:
+        link.close()
+        _stop_agent({pid} if pid else set())
+
+
+class SlotsOnDisk:
+    """Tier 0 as the agent tier sees it (``SealedSlots``), over real slot files sealed by the test."""
+
+    def __init__(self, root: Path) -> None:
+        self.store = SlotStore(root, RUN, 0, 3)
+        self.pins: frozenset[int] = frozenset()
+
+    def sealed_slot(self, step: int) -> int | None:
+        return next((v.index for v in self.store.views() if v.step == step), None)
+
+    def sealing(self, step: int) -> bool:
+        return False
+
+    def wait_sealed(self, timeout: float) -> None:
+        return None
+
+    def pin(self, slots: frozenset[int]) -> None:
+        self.pins = slots
+
+
+def test_the_agent_tier_asks_again_when_the_agent_that_took_its_request_died(shm_dir: Path, tmp_path: Path) -> None:
+    """The agent is SIGKILLed while it copies a 200 MB slot: the new agent knows nothing of the
+    request; the tier asks it again and the save completes (before: it waited forever, every later
+    tier-1 save skipped as busy). A step tier 0 does not hold is refused up front."""
+    slots = SlotsOnDisk(shm_dir)
+    link = AgentLink(spec_for(shm_dir, tmp_path))
+    tier = AgentTier(SingleProcess(), 10, slots, link, None, 60.0, tmp_path, 99)  # type: ignore[arg-type]
+    state = SimpleNamespace(step=10)  # the agent tier reads a state's step only
+    seal(shm_dir, 0, 0, 10, b"".join(os.urandom(1 << 20) for _ in range(200)))
+    pids: set[int] = set()
+    try:
+        tier.start_async(state)  # type: ignore[arg-type]
+        assert tier.poll_async() is None and slots.pins == frozenset({0})  # asked; the slot is pinned
+        pids.add(link.request({"op": "status", "rank": 0})["pid"])
+        steps = primary_store(tmp_path / "ckpt" / RUN, 0, RUN, 2).layout.steps_dir
+        wait_for(lambda: steps.is_dir() and any(".tmp-agent-" in p.name for p in steps.iterdir()))
+        os.kill(next(iter(pids)), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        result = None
+        while result is None:
+            assert time.monotonic() < deadline, "the save never completed after the agent died"
+            result = tier.poll_async()
+            time.sleep(0.05)
+        pids.add(link.request({"op": "status", "rank": 0})["pid"])
+        assert result.step == 10 and len(pids) == 2 and slots.pins == frozenset()
+        verify_step(steps / "step-000000010", expect_run_id=RUN)
+        state.step = 20
+        with pytest.raises(PublishError, match="tier 0 did not snapshot it"):
+            tier.start_async(state)  # type: ignore[arg-type]
+    finally:
+        link.close()
+        _stop_agent(pids)

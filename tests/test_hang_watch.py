@@ -127,3 +127,23 @@ def test_a_stopped_rank_is_killed_by_the_agent_and_the_group_restarts_in_seconds
     got, want = metrics_by_step(rundir), metrics_by_step(reference_40)
     assert sorted(got) == list(range(1, 41))
     assert all(got[s]["loss"] == want[s]["loss"] for s in range(1, 41))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown to another user needs root")
+def test_a_pulse_file_of_another_user_never_gets_a_rank_killed(tmp_path: Path) -> None:
+    """Another user who could write a stale pulse naming one of our ranks' pids would have the
+    watch kill it: only this user's regular files count."""
+    run = tmp_path / "runs" / "t"
+    watch = HangWatch(run, threshold_s=2.0, pulse_root=tmp_path / "pulse")
+    watch.folder.mkdir(parents=True)
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        _pulse(watch.folder, 0, os.getpid(), age_s=0.1)
+        _pulse(watch.folder, 1, victim.pid, age_s=5.0)
+        os.chown(watch.folder / "rank-00001.pulse", 4242, 4242)
+        _phase(run, 0, os.getpid(), "training")
+        _phase(run, 1, victim.pid, "training")
+        assert watch.scan() == [] and victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()

@@ -118,17 +118,22 @@ class AgentTier:
         return True
 
     def start_async(self, state: TrainingState) -> float:
-        """Remember the step: the agent is asked once tier 0 sealed it (at this step's poll or a
-        later one). Returns the seconds training was blocked (none)."""
+        """Collective: remember the step; the agent is asked once tier 0 sealed it (at this step's
+        poll or a later one). Refused on every rank (PublishError) where tier 0 did not snapshot
+        the step on every rank (it skipped a busy step). Returns the seconds training was blocked."""
         assert self._pending is None, "one tier-1 save in flight at most"
+        if not all(self.coll.all_gather(self._held_by_tier0(state.step))):
+            raise PublishError(f"tier 1 save of step {state.step} skipped: tier 0 did not snapshot it on every rank")
         self._pending = _Pending(state.step, time.perf_counter())
         return 0.0
+
+    def _held_by_tier0(self, step: int) -> bool:
+        return self.memory.sealing(step) or self.memory.sealed_slot(step) is not None
 
     def save(self, state: TrainingState, deadline: float | None = None) -> SaveResult:
         """Collective, synchronous (a preemption's emergency save, or no background saves): through
         the agent when tier 0 holds or is sealing the step on every rank, else the in-process tier 1."""
-        here = self.memory.sealing(state.step) or self.memory.sealed_slot(state.step) is not None
-        if not all(self.coll.all_gather(here)):
+        if not all(self.coll.all_gather(self._held_by_tier0(state.step))):
             return self.fallback.save(state, deadline)
         self.start_async(state)
         result = self._wait(deadline)
@@ -149,6 +154,7 @@ class AgentTier:
     def abandon_async(self) -> None:
         """Leaving after a failure: the agent finishes what it was asked (nothing to stop here)."""
         self._pending = None
+        self.memory.pin(frozenset())
 
     # -- internals -------------------------------------------------------------------------------
     def _wait(self, deadline: float | None) -> SaveResult | None:
@@ -180,6 +186,11 @@ class AgentTier:
         if job.step in persisted.get("persisted", []) and not busy:
             self.memory.pin(frozenset())
             return "ok"
+        if failed is None and not busy:
+            # Neither done, failed, queued nor in progress: the agent that took the request died
+            # and a new one answers. Ask it again (idempotent; a slot rewritten since is torn).
+            self.link.request({"op": "persist", "rank": self.rank, "slot": job.slot, "step": job.step})
+            return RUNNING
         failed = failed or self._stalled(answer)
         if failed is not None:
             self.memory.pin(frozenset())

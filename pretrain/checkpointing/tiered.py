@@ -106,8 +106,12 @@ class TieredCheckpointer:
 
     @property
     def tier1(self) -> CheckpointTier | None:
-        """Tier 1 as the trainer saves to it: through the node's agent, or in-process."""
-        return self.agent if self.agent is not None else self.local
+        """Tier 1 as the trainer saves to it: through the node's agent, or in-process (also once tier
+        0 turned itself off, a full tmpfs: the agent persists tier 0's snapshots)."""
+        tier0_on = self.memory is not None and self.memory.enabled
+        if self.agent is not None and (tier0_on or self.agent.in_flight is not None):
+            return self.agent
+        return self.local
 
     def _attach_memory_peers(self) -> None:
         """Tier 0's peer copy goes to the rank's tier-2 holders on another node (a copy on the
@@ -211,7 +215,7 @@ class TieredCheckpointer:
     def before_optimizer_step(self) -> float:
         """Seconds waited for background snapshots of the weights about to change."""
         waited = self.memory.before_optimizer_step() if self.memory is not None else 0.0
-        tier1 = self.local if self.agent is None else None  # the agent copies sealed slots only
+        tier1 = self.local if self.tier1 is self.local else None  # the agent copies sealed slots only
         return waited + (tier1.before_optimizer_step() if tier1 is not None else 0.0)
 
     def in_flight_count(self) -> int:

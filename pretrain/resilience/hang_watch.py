@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -90,9 +91,12 @@ class HangWatch:
         times: dict[int, float] = {}
         for path in self.folder.glob("rank-*.pulse") if self.folder.is_dir() else []:
             try:
+                st = path.lstat()
+                if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                    continue  # only this user's pulses may get a rank killed
                 rank = int(path.stem.removeprefix("rank-"))
                 pid = int(path.read_text() or -1)
-                mtime = path.stat().st_mtime
+                mtime = st.st_mtime
             except (OSError, ValueError):
                 continue
             if pid > 0 and _running(pid):  # a rank that ended is the launcher's business

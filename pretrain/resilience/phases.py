@@ -42,12 +42,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from pretrain.resilience.restarts import launcher_restart_count
+from tiering.errors import UnsafeDirectory
 from tiering.system.fsio import atomic_write_bytes
+from tiering.system.private_dir import private_dir
 
 log = logging.getLogger(__name__)
 
 PULSE_S = 0.2  # how often a live rank touches its pulse file (an mtime: the hang gap is read to this)
-PULSE_ROOT = Path("/dev/shm/resilient-pretrain-pulse")  # node-local (tmpfs), never the shared run dir
+# Node-local (tmpfs), never the shared run dir; one 0700 root per user: the node's agent kills a
+# rank whose pulse stops (pretrain.resilience.hang_watch), so nobody else may write a pulse there.
+PULSE_ROOT = Path(f"/dev/shm/resilient-pretrain-pulse-{os.getuid()}")
 FATAL_SIGNALS = {"Segmentation fault": 11, "Bus error": 7, "Floating point exception": 8, "Aborted": 6}
 
 # In the order an attempt goes through them.
@@ -181,9 +185,10 @@ class PhaseRecord:
             faulthandler.enable(file=self._fatal, all_threads=False)
         self._carry_previous()  # the previous process's pulse, before this one's replaces it
         try:
-            self.pulse.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.pulse.parent.parent)
+            private_dir(self.pulse.parent)
             atomic_write_bytes(self.pulse, str(os.getpid()).encode())
-        except OSError as exc:  # a diagnosis aid only
+        except (OSError, UnsafeDirectory) as exc:  # a diagnosis aid only
             log.warning("%s: no pulse (%s); a hang is then told from the phase records alone", self.pulse, exc)
             return
         threading.Thread(target=self._pulse, name="phase-pulse", daemon=True).start()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from pretrain.checkpointing.agent.server import AgentSpec
@@ -27,6 +28,8 @@ from pretrain.config import Config
 from pretrain.errors import AgentGone
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.standby.wire import receive, require_same_user, send
+from tiering.errors import UnsafeDirectory
+from tiering.system.private_dir import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,8 @@ class AgentLink:
             return self._sock
         try:
             self._sock = self._connect()
+        except PermissionError as exc:  # the address is another user's: no agent of ours can bind it
+            raise AgentGone(f"checkpoint agent {self.spec.name}: {exc}; fix: find who holds it") from exc
         except OSError:
             if not self.start:
                 raise AgentGone(f"checkpoint agent {self.spec.name}: none listens on this node") from None
@@ -124,8 +129,11 @@ class AgentLink:
 
     def _start_agent(self) -> None:
         """Start an agent in its own session and connect to it (or to the one that won the race)."""
-        log_path = os.path.join(self.spec.memory_root, f"agent-{self.spec.run_id}.log")
-        os.makedirs(self.spec.memory_root, mode=0o700, exist_ok=True)  # tier 0's tmpfs root
+        try:
+            run_folder = private_dir(Path(self.spec.memory_root) / self.spec.run_id)  # tier 0's: 0700, ours
+        except UnsafeDirectory as exc:
+            raise AgentGone(f"checkpoint agent not started: {exc}") from exc
+        log_path = str(run_folder / "agent.log")
         args = ["--spec", json.dumps(asdict(self.spec)), "--log", log_path]
         proc = subprocess.Popen(
             [sys.executable, "-m", "pretrain.checkpointing.agent", *args],
@@ -141,8 +149,10 @@ class AgentLink:
             try:
                 self._sock = self._connect()
                 return
+            except PermissionError as exc:
+                raise AgentGone(f"checkpoint agent {self.spec.name}: {exc}; fix: find who holds it") from exc
             except OSError as exc:
-                if proc.poll() not in (None, 0):
+                if proc.poll() is not None and proc.returncode != 0:
                     why = f"checkpoint agent failed to start (exit {proc.returncode}); see {log_path}"
                     raise AgentGone(why) from exc
                 time.sleep(0.05)

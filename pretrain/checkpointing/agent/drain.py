@@ -60,7 +60,6 @@ class RankProgress:
 
     persisted: list[int] = field(default_factory=list)  # committed tier-1 steps, newest first
     failed: dict[int, str] = field(default_factory=dict)  # step -> one line
-    floor: int | None = None  # the newest step every rank persisted (the ranks say): never deleted
 
 
 class SlotDrain:
@@ -82,7 +81,8 @@ class SlotDrain:
         self.keep = keep
         self.hash_threads = hash_threads
         self.attempt = f"{ATTEMPT_PREFIX}{os.getpid()}"
-        self.progress: dict[int, RankProgress] = {}
+        self.progress: dict[int, RankProgress] = {}  # read under the agent's lock; filled by its worker
+        self.floors: dict[int, int] = {}  # rank -> the newest step every rank persisted (the ranks say)
 
     def store(self, rank: int) -> PosixTier:
         return primary_store(self.node_root, rank, self.run_id, self.keep)
@@ -91,6 +91,7 @@ class SlotDrain:
         return SlotStore(self.memory_root, self.run_id, rank, self.slots)
 
     def rank_progress(self, rank: int) -> RankProgress:
+        """The rank's progress; its first call lists the rank's tier-1 store (the worker's thread)."""
         if rank not in self.progress:
             self.progress[rank] = RankProgress(persisted=self.store(rank).committed_steps())
         return self.progress[rank]
@@ -112,12 +113,12 @@ class SlotDrain:
         line, also kept in the rank's progress). A step already published counts as done."""
         progress = self.rank_progress(job.rank)
         store = self.store(job.rank)
-        if job.step in store.committed_steps():
-            progress.persisted = store.committed_steps()
-            return None
         error: str | None = None
         try:
-            self._publish(job, store)
+            if job.step in store.committed_steps():
+                self._same_as_published(job, store)  # asked again, or an abandoned timeline's step
+            else:
+                self._publish(job, store)
         except VerificationError as exc:
             error = f"{TORN}: {exc}"
         except DiskFull as exc:
@@ -135,6 +136,19 @@ class SlotDrain:
         progress.failed[job.step] = error
         log.warning("agent: rank %d step %d not persisted in tier 1: %s", job.rank, job.step, error)
         return error
+
+    def _same_as_published(self, job: Persist, store: PosixTier) -> None:
+        """A published step counts as this request's only with the seal's bytes: the same step of
+        an abandoned timeline (a resume from an older step) is a different state."""
+        sealed = read_manifest(self.slot_store(job.rank).slot_dir(job.slot))
+        published = read_manifest(store.step_path(job.step))
+        mine = {f.path: f.digest for f in sealed.files}
+        theirs = {f.path: f.digest for f in published.files}
+        if sealed.step != job.step or mine.get(STATE_FILE) != theirs.get(STATE_FILE):
+            raise TieringError(
+                f"{store.step_path(job.step)}: step {job.step} is published with other bytes (a timeline the run "
+                "abandoned); fix: none needed, the next step is saved, this one stays as it is"
+            )
 
     def _publish(self, job: Persist, store: PosixTier) -> None:
         """Copy the slot into a temporary step directory, hashing what is written; publish only
@@ -160,17 +174,18 @@ class SlotDrain:
 
     # -- retention -----------------------------------------------------------------------------
     def set_floor(self, rank: int, floor: int | None) -> None:
+        """What a rank said (no I/O: the agent's socket loop calls it)."""
         if floor is not None:
-            self.rank_progress(rank).floor = floor
+            self.floors[rank] = floor
 
     def _protected(self, rank: int) -> set[int]:
         """Steps retention must keep for ``rank``: the floor and newer (until a rank says the floor,
         every step: nothing is known of the other ranks yet)."""
-        progress = self.rank_progress(rank)
+        floor = self.floors.get(rank)
         committed = self.store(rank).committed_steps()
-        if progress.floor is None:
+        if floor is None:
             return set(committed)
-        return {s for s in committed if s >= progress.floor}
+        return {s for s in committed if s >= floor}
 
     def retain(self, rank: int) -> list[int]:
         dropped = self.store(rank).apply_retention(protected=self._protected(rank))

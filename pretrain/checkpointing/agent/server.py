@@ -102,11 +102,18 @@ class Agent:
         while (job := self.jobs.get()) is not None:
             with self.lock:
                 self.current = (job, time.time())
-                self.queued = [j for j in self.queued if j != job]
-            error = self._persist(job)
-            with self.lock:
-                self.current = None
-                if error is not None:
+                self.queued.remove(job)
+            try:
+                error = self._persist(job)
+            except Exception as exc:  # noqa: BLE001 - a listing or retention the volume refused: keep serving
+                error = f"{type(exc).__name__}: {exc}"
+                self.drain.rank_progress(job.rank).failed[job.step] = error
+                log.exception("agent: rank %d step %d failed", job.rank, job.step)
+            finally:
+                with self.lock:
+                    self.current = None
+            if error is not None:
+                with self.lock:
                     self.last_error = f"rank {job.rank} step {job.step}: {error}"
             self._write_status()
 
@@ -132,7 +139,8 @@ class Agent:
 
     def status(self, rank: int | None = None) -> dict[str, Any]:
         with self.lock:
-            ranks = {r: p for r, p in self.drain.progress.items() if rank is None or r == rank}
+            progress = dict(self.drain.progress)  # one C-level copy: the worker may add a rank meanwhile
+            ranks = {r: p for r, p in progress.items() if rank is None or r == rank}
             current = self.current
             body: dict[str, Any] = {
                 "pid": os.getpid(),
@@ -143,7 +151,7 @@ class Agent:
                 "current_since": None if current is None else current[1],
                 "last_error": self.last_error,
                 "ranks": {
-                    str(r): {"persisted": p.persisted[:8], "failed": {str(s): e for s, e in p.failed.items()}}
+                    str(r): {"persisted": list(p.persisted), "failed": {str(s): e for s, e in dict(p.failed).items()}}
                     for r, p in ranks.items()
                 },
             }
@@ -203,7 +211,7 @@ class Agent:
             if message is not None:
                 send(conn, self.handle(message))
                 return
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - one bad request costs that client, never the agent
             log.warning("agent: dropped a client after a bad request: %s", exc)
         sel.unregister(conn)
         self.clients.discard(conn)
@@ -219,6 +227,12 @@ class Agent:
         return self.finishing or time.monotonic() - self.idle_since > self.spec.idle_exit_s
 
 
+def _log_file(path: str) -> Any:
+    """The agent's log, appended to, never through a symlink (it lives in a private run folder)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "a", buffering=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.checkpointing.agent")
     parser.add_argument("--spec", required=True, help="the AgentSpec as JSON")
@@ -226,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = AgentSpec(**json.loads(args.spec))
     os.umask(0o077)
-    handler: logging.Handler = logging.FileHandler(args.log) if args.log else logging.StreamHandler()
+    handler = logging.StreamHandler(_log_file(args.log) if args.log else sys.stderr)
     logging.basicConfig(level=logging.INFO, handlers=[handler], format="%(asctime)s agent[%(process)d] %(message)s")
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # the job's signals: the agent finishes what it accepted
