@@ -13,9 +13,6 @@ calls ``os._exit``: the launcher sees the exit at its next poll. ``pretrain trai
 ones included (a preemption's emergency save published, a straggler excluded, a stopped job:
 their exit codes kept).
 
-It also serves the ways out that are ``SystemExit`` but end an attempt early (a preemption's
-emergency save published, a straggler excluded), with their exit codes.
-
 Never: used without a launcher (``TORCHELASTIC_RUN_ID`` unset: a test or a caller in the same
 process gets the exception), under NVRx's in-process restart (the exception is what restarts it),
 or when the run trained to its end.
