@@ -509,7 +509,3 @@ def tensor_bytes(payload: Any) -> int:
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
     return total
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
