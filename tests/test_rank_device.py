@@ -66,6 +66,7 @@ def test_every_process_group_of_the_rank_program_starts_after_its_gpu_is_selecte
             assert selects and min(selects) < min(inits), f"{where} starts a process group before select_rank_device()"
     assert sorted(found) == [
         "pretrain/commands/evaluate.py:evaluate",
+        "pretrain/platform/allreduce_check.py:main",
         "pretrain/resilience/inprocess.py:one_incarnation",
         "pretrain/train.py:train",
     ]

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pretrain.platform.rank_device import select_rank_device
+
 
 def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float]:
     """(algorithm, bus) bandwidth in GB/s of one all-reduce of ``nbytes`` over ``world`` ranks."""
@@ -35,7 +37,7 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float
 def measure(mib: int, iters: int, warmup: int = 3) -> dict[str, float | int | str]:
     """All-reduce a ``mib`` MiB buffer on this process's group; the figures rank 0 reports."""
     cuda = dist.get_backend() == "nccl"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     x = torch.ones(mib * 2**20 // (torch.finfo(dtype).bits // 8), dtype=dtype, device=device)
     for _ in range(warmup):
@@ -66,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--min-busbw-gbs", type=float, default=None, help="exit 1 below this bus bandwidth")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    device = select_rank_device()  # before NCCL, as every process group of the rank program
+    dist.init_process_group("nccl" if device is not None else "gloo", timeout=datetime.timedelta(minutes=5))
     try:
         figures = measure(args.mib, args.iters)
     finally:

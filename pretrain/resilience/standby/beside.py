@@ -22,7 +22,10 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the server, before exec: SIGKILL when the parent (the launcher-to-be) ends."""
+    """In the server, before exec: SIGKILL when the parent (the launcher-to-be) ends; the job's
+    signals blocked until the server has set them to be ignored (a scancel in its first
+    milliseconds, before Python runs its code, would otherwise end it)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, wire.JOB_SIGNALS)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")

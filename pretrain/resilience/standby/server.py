@@ -297,6 +297,7 @@ def main(argv: list[str]) -> None:
     # the step, this one too: they are the ranks' to handle. This process ends with its launcher.
     for sig in wire.JOB_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, wire.JOB_SIGNALS)  # blocked by .beside until now: pending ones dropped
     listener = socket.socket(fileno=int(argv[0]))  # bound and listening already (see .beside)
     modules = preload()
     hazard = fork_hazard()
