@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -439,3 +440,34 @@ def test_pyxis_lets_the_hosts_image_digest_win_and_mounts_no_home() -> None:
     assert "--container-env=IMAGE_DIGEST,RDZV_HOST" in flags and "--no-container-mount-home" in flags
     assert re.search(r"^#SBATCH --wait-all-nodes=1$", text, re.M)
     assert 'srun_errors=$(mktemp "${TMPDIR:-/tmp}/pretrain-srun-' in text, "never a predictable /tmp name"
+
+
+def _freezer_allows_groups() -> bool:
+    """What start.sh probes: can this root make a cgroup v1 freezer group?"""
+    probe = Path(f"/sys/fs/cgroup/freezer/rp-test-probe-{os.getpid()}")
+    try:
+        probe.mkdir()
+    except OSError:
+        return False
+    probe.rmdir()
+    return True
+
+
+def test_job_steps_are_tracked_by_cgroup_where_the_machine_allows_it(slurm_cluster: dict[str, str]) -> None:
+    """As production clusters run (proctrack/cgroup: a step's processes are found, signalled and
+    killed through its freezer group, not through parent links a daemonised child escapes)."""
+    config = subprocess.run(["scontrol", "show", "config"], env=slurm_cluster, capture_output=True, text=True)
+    tracking = next(x.split("=", 1)[1].strip() for x in config.stdout.splitlines() if x.startswith("ProctrackType"))
+    if not _freezer_allows_groups():
+        assert tracking == "proctrack/linuxproc"
+        pytest.skip("this machine has no cgroup v1 freezer this root can use: proctrack/linuxproc")
+    assert tracking == "proctrack/cgroup"
+    step = subprocess.run(
+        ["srun", "-N1", "-n1", "cat", "/proc/self/cgroup"],
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert step.returncode == 0, step.stderr
+    assert any(":freezer:/slurm_localhost/" in x and "/step_" in x for x in step.stdout.splitlines()), step.stdout

@@ -15,6 +15,21 @@ sed -e "s#@STATE@#$STATE#g" -e "s#@CPUS@#$cpus#g" \
 mkdir -p "$STATE/gpus"
 touch "$STATE"/gpus/gpu{0..7}
 echo "Name=gpu File=$STATE/gpus/gpu[0-7]" > "$STATE/gres.conf"
+# proctrack/cgroup where the machine allows it (a cgroup v1 freezer this root can make groups in,
+# what Slurm 22.05's cgroup/v1 plugin needs), as production clusters run: job steps tracked and
+# signalled by cgroup; else proctrack/linuxproc (parent-child links). SLURM_PROCTRACK forces one.
+if [ -z "${SLURM_PROCTRACK:-}" ]; then
+  SLURM_PROCTRACK=linuxproc
+  if mkdir "/sys/fs/cgroup/freezer/rp-probe-$$" 2>/dev/null; then
+    rmdir "/sys/fs/cgroup/freezer/rp-probe-$$"
+    SLURM_PROCTRACK=cgroup
+  fi
+fi
+if [ "$SLURM_PROCTRACK" = cgroup ]; then
+  sed -i 's#^ProctrackType=.*#ProctrackType=proctrack/cgroup#' "$STATE/slurm.conf"
+  printf 'CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nCgroupAutomount=no\n' > "$STATE/cgroup.conf"
+fi
+echo "slurm: proctrack/$SLURM_PROCTRACK"
 export SLURM_CONF=$STATE/slurm.conf
 # munge authenticates every Slurm RPC; a key is created once per machine.
 if [ ! -s /etc/munge/munge.key ]; then

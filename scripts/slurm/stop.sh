@@ -12,4 +12,7 @@ for pidfile in "${pidfiles[@]}"; do
     kill -9 "$pid" 2>/dev/null
   fi
 done
+# proctrack/cgroup leaves its node's empty freezer groups behind (best effort: only empty ones go).
+rmdir /sys/fs/cgroup/freezer/slurm_localhost/uid_*/job_*/step_* /sys/fs/cgroup/freezer/slurm_localhost/uid_*/job_* \
+  /sys/fs/cgroup/freezer/slurm_localhost/uid_* /sys/fs/cgroup/freezer/slurm_localhost 2>/dev/null
 exit 0
