@@ -805,11 +805,8 @@ def test_admission_limits_the_trainer_to_its_own_node_and_pod(overlay: str) -> N
     """Security review F4: RBAC grants patch on every Node; the policy admits a trainer's patch only
     on the node named in its token, adding only the exclusion taint, and a delete only of its own pod."""
     docs = build(overlay)
-    (policy,) = by_kind(docs, "ValidatingAdmissionPolicy")
-    (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    policy, binding = admission(docs, "pretrain-trainer-scope")
     spec = policy["spec"]
-    assert spec["failurePolicy"] == "Fail"
     rules = {(r["resources"][0], tuple(r["operations"])) for r in spec["matchConstraints"]["resourceRules"]}
     assert rules == {("nodes", ("UPDATE",)), ("pods", ("DELETE",))}
     (account,) = {t.spec["serviceAccountName"] for t in trainer_pods(docs)}
@@ -824,6 +821,41 @@ def test_admission_limits_the_trainer_to_its_own_node_and_pod(overlay: str) -> N
     from pretrain.commands.node_taint import EFFECT, TAINT_KEY
 
     assert any(f"t.key == '{TAINT_KEY}' && t.effect == '{EFFECT}'" in e for e in text)
+
+
+def admission(docs: list[dict[str, Any]], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ValidatingAdmissionPolicy named ``prefix``-<overlay> and its binding, which denies."""
+    (policy,) = [d for d in by_kind(docs, "ValidatingAdmissionPolicy") if d["metadata"]["name"].startswith(prefix)]
+    (binding,) = [
+        d
+        for d in by_kind(docs, "ValidatingAdmissionPolicyBinding")
+        if d["spec"]["policyName"] == policy["metadata"]["name"]
+    ]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    return policy, binding
+
+
+@pytest.mark.parametrize("overlay", ["overlays/h100", "overlays/cpu-smoke"])
+def test_the_trainer_statefulsets_pod_template_is_pinned_while_the_job_runs(overlay: str) -> None:
+    """Review 19: with OnDelete a pod recreated after a node loss runs the newest applied template;
+    the policy admits a template change only while the StatefulSet has no pods (the whole-job
+    restart scales it to 0 first), so every pod of a job runs the job's revision."""
+    docs = build(overlay)
+    policy, _ = admission(docs, "pretrain-template-pin")
+    spec = policy["spec"]
+    [rule] = spec["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["resources"], rule["operations"]) == (["apps"], ["statefulsets"], ["UPDATE"])
+    (sts,) = by_kind(docs, "StatefulSet")
+    (cond,) = spec["matchConditions"]
+    for key, value in sts["metadata"]["labels"].items():
+        assert f"object.metadata.labels['{key}'] == '{value}'" in cond["expression"], "it matches this StatefulSet"
+    [check] = spec["validations"]
+    assert "object.spec.template == oldObject.spec.template" in check["expression"]
+    assert "oldObject.status.replicas == 0" in check["expression"] and "fix:" in check["messageExpression"]
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    runbook = (REPO / "docs" / "runbook.md").read_text()
+    assert "scale sts pretrain --replicas=0" in runbook, "the whole-job restart the policy asks for"
 
 
 def test_kueue_admits_the_jobset_as_one_gang(tmp_path: Path) -> None:
