@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -155,3 +158,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The machine the durations above were measured on: they mean little without it."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     terminalreporter.line(f"machine: {os.cpu_count()} CPUs, load average {load} at the end of the run")
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """This test's tier-0 root on the machine's tmpfs (never the shared default), removed after."""
+    root = Path("/dev/shm") / f"rp-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield root
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)

@@ -17,8 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,15 +53,6 @@ from tiering.peer.replication import primary_store
 from tiering.verify import verify_step
 
 RUN = "t"
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    root = Path("/dev/shm") / f"rp-agent-{uuid.uuid4().hex[:12]}"
-    try:
-        yield root
-    finally:
-        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 def seal(root: Path, rank: int, slot: int, step: int, payload: bytes, slots: int = 3) -> SlotStore:

@@ -9,7 +9,6 @@ import json
 import random
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,16 +45,6 @@ COMMON = {
     "checkpoint.local.interval": 10,
     "checkpoint.reshardable.interval": 12,
 }
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """This test's tier-0 root on the machine's tmpfs (never the shared default), removed after."""
-    root = Path("/dev/shm") / f"rp-test-{uuid.uuid4().hex[:12]}"
-    try:
-        yield root
-    finally:
-        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 @pytest.fixture
