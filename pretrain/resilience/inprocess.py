@@ -128,6 +128,17 @@ def _freeze_long_lived_objects() -> None:
     gc.freeze()
 
 
+def _backend() -> tuple[bool, str]:
+    """(CUDA?, the backend): on CUDA, NCCL with NVRx's environment for in-process restart (a value
+    the launcher set is kept, and said)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        applied = apply_nccl_env(os.environ)
+        if applied != NCCL_ENV:
+            log.warning("in-process restart on NCCL with %s set by the launcher (NVRx wants %s)", applied, NCCL_ENV)
+    return cuda, "nccl" if cuda else "gloo"
+
+
 def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
     """Run ``body`` (one attempt, process group already up) under the in-process Wrapper."""
 
@@ -154,12 +165,7 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
     pg_store = dist.TCPStore(
         host, groups_port, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False
     )
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if cuda:
-        applied = apply_nccl_env(os.environ)
-        if applied != NCCL_ENV:
-            log.warning("in-process restart on NCCL with %s set by the launcher (NVRx wants %s)", applied, NCCL_ENV)
+    cuda, backend = _backend()
     wrapper = inprocess.Wrapper(
         store_kwargs={"port": wrapper_port, "timeout": _seconds(ipc.barrier_timeout)},
         # Compose applies right to left: NCCL's abort first, then gloo's connections.
