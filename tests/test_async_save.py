@@ -119,6 +119,7 @@ def test_a_killed_writer_never_commits_and_the_next_save_works(tmp_path: Path, c
             "checkpoint.async.mode": "fork",  # a writer process to SIGKILL
             "fault_tolerance.inject.writer_fault_at_step": 20,
             "fault_tolerance.inject.writer_fault": "hang",
+            "fault_tolerance.inject.staging_writer_fault": "hang",
         },
     )
     cmd = ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=0, overrides=over)
@@ -127,13 +128,13 @@ def test_a_killed_writer_never_commits_and_the_next_save_works(tmp_path: Path, c
     run_dir = tmp_path / "runs" / "t"
     deadline = time.monotonic() + 120
     pids: dict[str, int] = {}
-    while len(pids) < 2:  # tier 1's writer (made to hang) and the staging tier's (Megatron's)
+    while len(pids) < 2:  # rank 0's writers of tier 1 and of the staging tier (Megatron's), both made to hang
         assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
         if (run_dir / "events.jsonl").exists():
             started = [e for e in events(run_dir) if e["event"] == "save_started" and e["step"] == 20]
             pids = {e["tier"]: e["writer_pid"] for e in started}
         time.sleep(0.05)
-    os.kill(pids["reshardable"], signal.SIGKILL)  # mid-write: Megatron's writer takes ~1.5 s here
+    os.kill(pids["reshardable"], signal.SIGKILL)
     time.sleep(0.5)
     os.kill(pids["local"], signal.SIGKILL)
     assert proc.wait(timeout=180) == 0, (tmp_path / "job.log").read_text()[-3000:]

@@ -78,6 +78,7 @@ from pretrain.platform.compat import (
     warm_write_results_queue,
 )
 from pretrain.rank_state import rank_state, restore_rng
+from pretrain.resilience.faults import hanging_writer, staging_writer_fault
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective
 from tiering.digest import PORTABLE_HASH, HashSpec
@@ -219,6 +220,8 @@ class ReshardableCheckpoints:
         scheduled = False
         try:
             request = self._write(tmp, state, background=True)
+            if staging_writer_fault(self.cfg.fault_tolerance.inject, self.coll.rank, state.step) == "hang":
+                request = request._replace(async_fn=hanging_writer)
             self._queue.schedule_async_request(request)
             scheduled = True
         except (Exception, CheckpointException) as exc:

@@ -35,6 +35,9 @@ class FaultInjectionConfig:
     writer_fault_at_step: int = -1
     writer_fault: str | None = None  # fail, hang, slow or bug
     writer_fault_rank: int = 0  # the rank whose writer is faulted
+    # The reshardable tier's forked writer (Megatron's) of the save at writer_fault_at_step on
+    # writer_fault_rank: "hang" (it never writes and never ends, until killed from outside).
+    staging_writer_fault: str | None = None
     # Raise a (user-code) RuntimeError at raise_at_step: on every rank and every attempt (a
     # deterministic bug), or only on raise_rank in the first attempt (a transient fault).
     raise_rank: int = -1
@@ -54,6 +57,10 @@ class FaultInjectionConfig:
     trigger_dir: str | None = None
 
     def check(self, fail: Fail) -> None:
+        if self.staging_writer_fault not in (None, "hang"):
+            fail(
+                "staging_writer_fault", f"unknown fault {self.staging_writer_fault!r}", "write hang, or leave it unset"
+            )
         try:
             parse_holds(self.hold_at)
         except ValueError as exc:

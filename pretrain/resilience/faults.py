@@ -9,6 +9,7 @@ fire on the launcher's first attempt only (a restart must be able to get past th
 * ``kill_during_replication_rank`` + ``kill_at_step``: SIGKILL a rank while it receives a replica;
 * ``writer_fault`` (fail, hang, slow, bug) at ``writer_fault_at_step`` on ``writer_fault_rank``: the
   background tier-1 writer fails (I/O), never finishes, is slow, or raises a programming error;
+  ``staging_writer_fault`` (hang) does the same to the reshardable tier's forked writer;
 * ``slow_save_at_step`` + ``slow_save_seconds``: a slow filesystem inside the checkpointing section;
 * ``poison_restored_step``: a step that verifies but holds a NaN weight after every restore;
 * ``hold_at`` + ``hold_seconds``: ranks stay in a phase of an attempt so that a fault injected
@@ -113,6 +114,18 @@ def maybe_die_while_receiving(
 def writer_fault(inj: FaultInjectionConfig, rank: int, step: int) -> str | None:
     """The fault the background tier-1 writer of ``step`` on ``rank`` must simulate, if any."""
     return inj.writer_fault if inj.writer_fault_at_step == step and inj.writer_fault_rank == rank else None
+
+
+def staging_writer_fault(inj: FaultInjectionConfig, rank: int, step: int) -> str | None:
+    """The fault the reshardable tier's forked writer of ``step`` on ``rank`` must simulate, if any."""
+    return inj.staging_writer_fault if inj.writer_fault_at_step == step and inj.writer_fault_rank == rank else None
+
+
+def hanging_writer(*args: object, **kwargs: object) -> None:
+    """Stands in for a forked writer's function: never writes, never returns (killed from outside)."""
+    del args, kwargs
+    while True:
+        time.sleep(3600)
 
 
 def maybe_slow_save(inj: FaultInjectionConfig, step: int) -> None:
