@@ -52,9 +52,6 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
         "data.prefix": str(corpus),
         "checkpoint.local.dir": str(tmp / "ckpt"),
         "checkpoint.reshardable.dir": str(tmp / "reshard"),
-        # Tier 0 is on by default (auto): each test's slots in its own directory, never the machine's
-        # shared default, where another test's run "t" would be restored.
-        "checkpoint.memory.dir": str(tmp / "tier0"),
         **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]
