@@ -111,14 +111,18 @@ def maybe_die_while_receiving(
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _writer_faulted(inj: FaultInjectionConfig, rank: int, step: int) -> bool:
+    return inj.writer_fault_at_step == step and inj.writer_fault_rank == rank
+
+
 def writer_fault(inj: FaultInjectionConfig, rank: int, step: int) -> str | None:
     """The fault the background tier-1 writer of ``step`` on ``rank`` must simulate, if any."""
-    return inj.writer_fault if inj.writer_fault_at_step == step and inj.writer_fault_rank == rank else None
+    return inj.writer_fault if _writer_faulted(inj, rank, step) else None
 
 
 def staging_writer_fault(inj: FaultInjectionConfig, rank: int, step: int) -> str | None:
     """The fault the reshardable tier's forked writer of ``step`` on ``rank`` must simulate, if any."""
-    return inj.staging_writer_fault if inj.writer_fault_at_step == step and inj.writer_fault_rank == rank else None
+    return inj.staging_writer_fault if _writer_faulted(inj, rank, step) else None
 
 
 def hanging_writer(*args: object, **kwargs: object) -> None:
