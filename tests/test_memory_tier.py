@@ -1,7 +1,8 @@
 """Tier 0 end to end (real gloo jobs, real tmpfs, real kills and corruption): a SIGKILL from outside
 the job at a random step loses 0 or 1 steps and resumes bit-exact from memory; a flipped byte in
 the newest slot falls back to the older slot, both slots bad to tier 1; a tmpfs that fills turns
-tier 0 off with one warning while training and tier 1 go on; a tmpfs too small is refused at start."""
+tier 0 off with one warning while training and tier 1 go on; a tmpfs too small is refused at start
+(``enabled: true``) or leaves tier 0 off (``auto``)."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def test_a_full_tmpfs_turns_tier0_off_with_one_warning_and_training_and_tier1_go
     _assert_bit_exact(job, baseline, 1)
 
 
-def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_in_one_line(
+def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_or_left_off_in_one_line(
     tmp_path: Path, corpus: Path, small_tmpfs: Path
 ) -> None:
     subprocess.run(["dd", "if=/dev/zero", f"of={small_tmpfs / 'filler'}", "bs=1M", "count=30"], check=True)
@@ -184,6 +185,17 @@ def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_in_one_line(
     assert lines, out[-3000:]
     assert "2 slots x (own" in lines[0] and "--shm-size" in lines[0] and "emptyDir" in lines[0]
     assert not (job / "runs" / "t" / "metrics.jsonl").exists(), "no step may run"
+    # The default (auto): the same node trains with tier 0 off, said once with the same sizes.
+    auto = tmp_path / "auto"
+    over = {**COMMON, **_memory(small_tmpfs), "checkpoint.memory.enabled": "auto"}
+    proc = torchrun(auto, 2, overrides_for(auto, corpus, **over))
+    out = proc.stdout + proc.stderr
+    said = [line for line in out.splitlines() if "tier 0 stays off (checkpoint.memory.enabled: auto)" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "2 slots x (own" in said[0] and "fix:" in said[0], out[-3000:]
+    ev = events(auto / "runs" / "t")
+    assert not [e for e in ev if e["event"] == "save" and e["tier"] == "memory"]
+    assert [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local"] == [10, 20, STEPS]
+    assert max(metrics_by_step(auto / "runs" / "t")) == STEPS
 
 
 def test_an_in_process_restart_restores_the_newest_step_from_tier0(

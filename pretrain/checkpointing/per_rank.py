@@ -146,7 +146,7 @@ class PerRankCheckpoints:
         self._publishing: _PublishInFlight | None = None
         ipc = cfg.fault_tolerance.inprocess
         # For in-process restarts; tier 0 (checkpoint.memory) is that host copy when enabled.
-        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.enabled
+        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.wanted
         self.node = placement.node
         self.identities = placement.identities
         self.holders = placement.holders

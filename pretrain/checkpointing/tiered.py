@@ -58,7 +58,7 @@ class TieredCheckpointer:
         self.reshardable: ReshardableCheckpoints | None = None
         self._staging: ReshardableCheckpoints | None = None  # the reshardable tier, if it answers (per restore)
         self._staging_note: str | None = None  # why the restore left the reshardable tier alone
-        self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
+        self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.wanted else None
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
         # The lease first: a job that may not write this run fails before anything else starts.

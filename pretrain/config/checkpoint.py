@@ -186,10 +186,17 @@ class MemoryTierConfig:
     killed at any step loses at most ``interval`` steps and restores without reading a disk.
     It survives the rank process and an ft_launcher restart, not the node (docs/memory-tier.md)."""
 
-    enabled: bool = False  # tier 0 on (opt-in: it needs slots x state size of tmpfs per rank)
+    # auto: on where the node's tmpfs (and memory cgroup) holds slots x (own + peer) state for every
+    # rank of the node, else off with one line naming the sizes; true: refuse to start where it does not.
+    enabled: Literal[True, False, "auto"] = "auto"
     interval: int = 1  # steps between tier-0 snapshots (1: every step, at most one step lost)
     dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
     slots: int = 2  # the newest sealed slot is never the one being written
+
+    @property
+    def wanted(self) -> bool:
+        """Tier 0 is built (on, or ``auto``: its capacity check at start decides)."""
+        return self.enabled is not False
 
     def check(self, fail: Fail) -> None:
         positive(fail, interval=self.interval)
@@ -239,7 +246,7 @@ class CheckpointConfig:
         self.memory.check(fail.within("memory"))
         self.agent.check(fail.within("agent"))
         if self.agent.enabled and self.local.enabled:
-            if not self.memory.enabled:
+            if not self.memory.wanted:
                 fail("agent.enabled", "the agent persists tier 0's snapshots, but tier 0 is off",
                      "set checkpoint.memory.enabled=true or checkpoint.agent.enabled=false")  # fmt: skip
             elif self.local.interval % self.memory.interval:

@@ -208,7 +208,7 @@ class SoakRunner:
         share slots, and an earlier soak's slots of the same run id would be restored at the first
         start). Call teardown_memory."""
         memory = self.loaded().checkpoint.memory
-        if memory.enabled:
+        if memory.wanted:
             self.memory_root = Path(memory.dir) / f"soak-{os.getpid()}-{time.monotonic_ns()}"
 
     def teardown_memory(self) -> None:
