@@ -198,7 +198,7 @@ def test_the_70b_host_memory_per_node_by_tier() -> None:
 @pytest.mark.parametrize(
     ("config", "nodes", "tier0"),
     [
-        ("gpt-8b-h100.yaml", 8, "tier 0 tmpfs: 2 slots x (own + 1 peer) (auto)"),
+        ("gpt-8b-h100.yaml", 8, "tier 0 tmpfs: 3 slots x (own + 1 peer) (auto)"),
         ("gpt-70b-h100.yaml", 64, "tier 0 tmpfs: 3 slots"),
     ],
 )

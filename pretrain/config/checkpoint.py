@@ -191,7 +191,9 @@ class MemoryTierConfig:
     enabled: Literal[True, False, "auto"] = "auto"
     interval: int = 1  # steps between tier-0 snapshots (1: every step, at most one step lost)
     dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
-    slots: int = 2  # the newest sealed slot is never the one being written
+    # 3: one slot is the newest sealed, one may be read by the node's agent or the peer stream,
+    # and the next snapshot still has one of its own (with 2 a copy slower than a step is torn).
+    slots: int = 3
 
     @property
     def wanted(self) -> bool:
@@ -210,7 +212,11 @@ class AgentConfig:
     persisted by one agent process per run per node from the sealed tier-0 slots, so no tier-1
     storage call runs in a training process after its restore (docs/checkpoints.md, "The agent")."""
 
-    enabled: bool = False  # tier 1 through the agent (needs checkpoint.memory.enabled)
+    # auto: on wherever tier 0 is on with room for the agent's copy (3 or more slots) and tier 1's
+    # interval is a multiple of tier 0's, else tier 1 is written in-process; true: refuse a config
+    # where it cannot be on; false (the default until the storage-fault soak passes with it):
+    # tier 1 in-process always.
+    enabled: Literal[True, False, "auto"] = False
     timeout_s: float = 2.0  # a rank's request to the agent: past it the agent counts as gone
     idle_exit_s: float = 60.0  # the agent exits once no rank was connected and nothing queued this long
 
@@ -245,7 +251,7 @@ class CheckpointConfig:
         self.integrity.check(fail.within("integrity"))
         self.memory.check(fail.within("memory"))
         self.agent.check(fail.within("agent"))
-        if self.agent.enabled and self.local.enabled:
+        if self.agent.enabled is True and self.local.enabled:
             if not self.memory.wanted:
                 fail("agent.enabled", "the agent persists tier 0's snapshots, but tier 0 is off",
                      "set checkpoint.memory.enabled=true or checkpoint.agent.enabled=false")  # fmt: skip
@@ -261,3 +267,11 @@ class CheckpointConfig:
             )
         if not self.local.enabled and not self.reshardable.enabled:
             fail("local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
+
+    @property
+    def agent_wanted(self) -> bool:
+        """Tier 1 goes through the node's agent (while tier 0, which it persists, stays on)."""
+        agent = self.agent.enabled
+        if agent is False or not self.local.enabled or not self.memory.wanted:
+            return False
+        return agent is True or (self.local.interval % self.memory.interval == 0 and self.memory.slots >= 3)
