@@ -51,16 +51,16 @@ class Session:
     phases: PhaseRecord | None = None
 
 
-# Control-plane collectives (attempt ids, save statuses, restore agreement, an S3 step rank 0
-# fetched) may wait as long as a restore's slowest part: NVRx's setup section (30 min in
+# Control-plane collectives (attempt ids, save statuses, restore agreement, the agreement after
+# each rank fetched its share of an S3 step) may wait as long as a restore's slowest part: NVRx's setup section (30 min in
 # configs/ft-h100.yaml), not NCCL's 10 min.
 CONTROL_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def control_collective() -> TorchCollective:
     """Collective. The control plane's collectives on gloo: on a NCCL default group each
-    ``all_gather_object`` is two NCCL all-gathers plus device-to-host syncs, and a wait behind rank
-    0's S3 download would meet the NCCL watchdog at 10 min. On CPU the default group is gloo already."""
+    ``all_gather_object`` is two NCCL all-gathers plus device-to-host syncs, and a wait for the
+    slowest rank's share of an S3 download would meet the NCCL watchdog at 10 min. On CPU the default group is gloo already."""
     if dist.get_backend() == "gloo":
         return TorchCollective()
     return TorchCollective(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
