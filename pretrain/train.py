@@ -199,7 +199,9 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     report = SaveReport(
         session.tiers, session.runlog, ctx.metrics, ctx.records, rank, cfg.checkpoint.on_save_error == "stop"
     )
-    checkpointer = CheckpointManager(cfg, session.tiers, session.state, report, session.monitor, ctx.watch, ctx.phases)
+    checkpointer = CheckpointManager(
+        cfg, session.tiers, session.state, report, session.monitor, ctx.watch, ctx.phases, session.sync_weights
+    )
     ctx.on_abort.append(checkpointer.abandon)
     restored = _restore(session, ctx, checkpointer)
     ctx.metrics.tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length
