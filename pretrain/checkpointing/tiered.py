@@ -435,31 +435,40 @@ class TieredCheckpointer:
         )
 
     def _fetch_from_s3(self, best_local: int, notes: list[str]) -> int | None:
-        """Collective: if the object store has a newer committed step than every local tier, rank 0
-        downloads and verifies it into the reshardable tier (falling back to older S3 steps)."""
+        """Collective: if the object store has a newer committed step than every local tier, every
+        rank downloads and verifies a share of its files into the reshardable tier (falling back to
+        older S3 steps together): no rank waits alone behind rank 0's whole download."""
         if self.remote is None or self._staging is None:
             if self.remote is not None:
                 notes.append("S3 not consulted: its steps are restored through the reshardable tier, which is stalled")
             return None
-        got = None
+        suspects = self.suspect_steps() if self.coll.rank == 0 else set()
+        newer = None
         if self.coll.rank == 0:
             try:
-                suspects = self.suspect_steps()
                 committed = [s for s in self.remote.committed_steps() if s not in suspects]
-                if committed and committed[0] > best_local:
-                    layout = self._staging.tier.layout
-                    got, rejected = self.remote.restore_newest(layout, self.attempt, exclude=suspects)
-                    for step, reason in rejected:
-                        notes.append(f"S3 step {step} rejected: {reason}")
-                    if got is not None and got <= best_local:
-                        got = None
-                    if got is not None:
-                        notes.append(f"downloaded and verified step {got} from {self.remote.where(self.remote.base)}")
-                        log.info(notes[-1])
+                newer = bool(committed and committed[0] > best_local)
             except ObjectStoreError as exc:
                 notes.append(f"S3 tier unreachable during restore: {exc}")
                 log.warning(notes[-1])
-        return self.coll.broadcast(got)
+        newer, best_local, suspects = self.coll.broadcast((newer, best_local, suspects))  # rank 0's view
+        if not newer:
+            return None
+        try:
+            layout = self._staging.tier.layout
+            got, rejected = self.remote.restore_newest(layout, self.attempt, exclude=suspects, coll=self.coll)
+        except ObjectStoreError as exc:  # every rank raises it (the download agrees on failures)
+            notes.append(f"S3 tier unreachable during restore: {exc}")
+            log.warning(notes[-1])
+            return None
+        for step, reason in rejected:
+            notes.append(f"S3 step {step} rejected: {reason}")
+        if got is not None and got <= best_local:
+            return None
+        if got is not None:
+            notes.append(f"downloaded and verified step {got} from {self.remote.where(self.remote.base)}")
+            log.info(notes[-1])
+        return got
 
     def _load_peer(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tiering.collective import Collective
 from tiering.layout import RunLayout
 from tiering.manifest import Manifest
 from tiering.remote import download as remote_download
@@ -76,13 +77,19 @@ class RemoteTier(RemoteRun):
     def read_manifest(self, step: int) -> tuple[Manifest, bytes]:
         return remote_download.read_remote_manifest(self, step)
 
-    def download_step(self, step: int, layout: RunLayout, attempt: str) -> Path:
-        return remote_download.download_step(self, step, layout, attempt)
+    def download_step(self, step: int, layout: RunLayout, attempt: str, coll: Collective | None = None) -> Path:
+        """``coll``: every rank of it fetches a share (collective); none: this process alone."""
+        return remote_download.download_step(self, step, layout, attempt, coll)
 
     def restore_newest(
-        self, layout: RunLayout, attempt: str, exclude: set[int] | frozenset[int] = frozenset()
+        self,
+        layout: RunLayout,
+        attempt: str,
+        exclude: set[int] | frozenset[int] = frozenset(),
+        coll: Collective | None = None,
     ) -> tuple[int | None, list[tuple[int, str]]]:
-        return remote_download.restore_newest(self, layout, attempt, exclude)
+        """``coll``: every rank of it fetches a share of each step tried (collective); none: this process alone."""
+        return remote_download.restore_newest(self, layout, attempt, exclude, coll)
 
     def gc(
         self, keep: int, milestone_every: int, dry_run: bool = True, min_age_s: float = remote_gc.MIN_AGE_S
