@@ -72,9 +72,11 @@ def run_upload(
 ) -> int:
     """``tiering upload`` with the store, run, owner, polling and backoff of ``cfg``."""
     s3 = cfg.checkpoint.s3
+    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
     signer = manifest_signer(cfg)
+    remote.signer = signer
     return tiering_cli.upload(
-        remote_tier(cfg, signer),
+        remote,
         staging_tier(cfg, signer),
         s3_owner(cfg),
         watch=watch,
@@ -89,8 +91,10 @@ def run_gc(cfg: Config, *, apply: bool = False) -> int:
     """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``, the run
     key and the run's suspect list."""
     s3 = cfg.checkpoint.s3
+    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
+    remote.signer = manifest_signer(cfg, create=False)  # GC never makes up a key
     return tiering_cli.gc(
-        remote_tier(cfg, manifest_signer(cfg, create=False)),  # GC never makes up a key
+        remote,
         s3.keep,
         s3.milestone_every,
         apply=apply,
