@@ -14,8 +14,9 @@
 ``upload`` and ``restore`` need the run key (``--run-key-file``, or ``PRETRAIN_RUN_KEY_FILE``): a
 staging or S3 step whose ``SIGNATURE`` does not verify under it is never promoted nor restored
 (:mod:`tiering.signature`); ``gc`` checks signatures when given the key. A missing or unusable key
-is one line and exit status 2. ``--suspects FILE`` (a JSON list of steps, the trainer's
-``suspect-steps.json``): steps ``restore`` never downloads and ``gc`` never counts as verified.
+is one line and exit status 2, as is an unreadable suspect list. ``--suspects FILE`` (a JSON list
+of steps, the trainer's ``suspect-steps.json``): steps ``restore`` never downloads and ``gc``
+never counts as verified.
 
 Every setting is a flag: the package reads no training config. ``pretrain upload`` and
 ``pretrain gc`` map a pretrain config onto :func:`upload` and :func:`gc`.
@@ -610,6 +611,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except RunKeyError as exc:
+    except (RunKeyError, VerificationError) as exc:  # a key or a suspect list that cannot be used
         print(f"tiering {args.command}: {exc}", file=sys.stderr)
         return 2
