@@ -30,20 +30,36 @@ from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
+from tiering.peer.run_key import ENV_VAR, RunKey
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.remote import gc as remote_gc
 from tiering.remote.download import share_of
 from tiering.remote.objectstore import PreconditionFailed, open_store
 from tiering.remote.tier import RemoteTier
+from tiering.signature import ManifestSigner
 from tiering.verify import committed_marker, verify_step
 
 RUN = "t"
+KEY_SECRET = bytes(range(32))  # this module's run key: staging and S3 steps are signed with it
+SIGNER = ManifestSigner(RunKey(KEY_SECRET))
+
+
+@pytest.fixture(autouse=True)
+def run_key_file(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The run key as the uploader and ``tiering restore`` read it (PRETRAIN_RUN_KEY_FILE, 0600);
+    modules that import this fixture get it too."""
+    path = tmp_path_factory.mktemp("key") / "run.key"
+    path.touch(mode=0o600)
+    path.write_bytes(KEY_SECRET)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    return path
 
 
 def make_step(root: Path, step: int, size: int = 300_000, shards: int = 2) -> Path:
-    """A real published staging step with random shards (no training needed)."""
+    """A real published staging step with random shards (no training needed), signed and blake3
+    as the reshardable tier writes it."""
     layout = RunLayout(root, RUN)
-    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}")
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH), SIGNER)
     tmp = pub.begin(step)
     (tmp / "model").mkdir()
     for i in range(shards):
@@ -55,7 +71,7 @@ def make_step(root: Path, step: int, size: int = 300_000, shards: int = 2) -> Pa
 
 def _remote(uri: str, endpoint: str | None) -> RemoteTier:
     store, prefix = open_store(uri, endpoint, chunk_mb=5)
-    return RemoteTier(store, prefix, RUN)
+    return RemoteTier(store, prefix, RUN, signer=SIGNER, expect_hash=PORTABLE_HASH)
 
 
 def _tiering(
@@ -102,7 +118,7 @@ def test_ranged_reads_arrive_in_pieces_and_stop_at_the_object_end(remote_uri: tu
 def _chunked_step(staging: Path, step: int, size: int) -> Path:
     """A published step whose one data file has many BLAKE3 chunks (one ranged GET each)."""
     layout = RunLayout(staging, RUN)
-    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH, 256 * 1024, 2))
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH, 256 * 1024, 2), SIGNER)
     tmp = pub.begin(step)
     (tmp / "model").mkdir()
     (tmp / "model" / "__0_0.distcp").write_bytes(os.urandom(size))
@@ -271,6 +287,7 @@ def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_pa
         new = json.dumps(body).encode()
         remote.store.put_bytes(remote.step_key(20, MANIFEST_NAME), new)
         remote.store.put_bytes(remote.step_key(20, "COMMITTED"), committed_marker(20, new))
+        remote.store.put_bytes(remote.step_key(20, "SIGNATURE"), SIGNER.sign(new))  # a writer with the key
     else:
         remote.store.put_bytes(remote.key("latest.json"), b'{"step": 999, "path": "steps/step-000000999"}')
         expect = 20

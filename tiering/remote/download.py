@@ -1,6 +1,9 @@
 """Verified download of a step from an object store, and restore of the newest one that verifies.
 
-A step is read only once its ``COMMITTED`` object matches its manifest. Format v2: every digest
+A step is read only once its ``COMMITTED`` object matches its manifest and, for a signed run, its
+``SIGNATURE`` object verifies (:mod:`tiering.signature`), before the manifest is parsed; a manifest
+naming a digest other than the run's (``RemoteRun.expect_hash``) is refused before any GET of its
+data. Format v2: every digest
 chunk is one ranged GET, hashed and written at its offset piece by piece as it arrives (several in
 parallel, a body that breaks off asked for again); nothing is read back. Format v1: whole objects,
 then one SHA-256 pass. Bytes land in a temporary directory and are published locally (the same
@@ -31,10 +34,12 @@ from tiering.collective import Collective, SingleProcess
 from tiering.digest import bad_chunk_reason, chunk_range, new_hasher
 from tiering.errors import ObjectNotFound, ObjectStoreError, TransferInterrupted, VerificationError
 from tiering.layout import RunLayout
+from tiering.local.posix import PosixTier
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.publish import publish_dir
 from tiering.remote.run import RemoteRun
 from tiering.remote.upload import latest_hint
+from tiering.signature import SIGNATURE_NAME
 from tiering.verify import committed_marker, verify_file, verify_step
 
 log = logging.getLogger(__name__)
@@ -43,25 +48,31 @@ T = TypeVar("T")
 
 
 def read_remote_manifest(run: RemoteRun, step: int) -> tuple[Manifest, bytes]:
-    """The committed manifest of ``step`` and its raw bytes; :class:`VerificationError` if the step is not committed
-    or its ``COMMITTED`` does not match."""
+    """The committed manifest of ``step`` and its raw bytes; :class:`VerificationError` if the step is not committed,
+    its ``COMMITTED`` does not match, or (a signed run) its ``SIGNATURE`` is missing or forged."""
+    manifest, raw, _ = read_signed_manifest(run, step)
+    return manifest, raw
+
+
+def read_signed_manifest(run: RemoteRun, step: int) -> tuple[Manifest, bytes, bytes | None]:
+    """:func:`read_remote_manifest`, with the ``SIGNATURE`` object's bytes (None: absent, in a run
+    without a signer)."""
     where = run.where(run.step_key(step, MANIFEST_NAME))
-    # Two independent small GETs, sent together: a restore waits one first-byte latency of the
-    # store for them, not two.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        marker_get = pool.submit(run.store.get_bytes, run.step_key(step, COMMITTED_NAME))
-        manifest_get = pool.submit(run.store.get_bytes, run.step_key(step, MANIFEST_NAME))
-    try:
-        marker, _ = marker_get.result()
-    except ObjectNotFound as exc:
+    # Independent small GETs, sent together: a restore waits one first-byte latency of the
+    # store for them, not two or three.
+    names = (COMMITTED_NAME, MANIFEST_NAME, SIGNATURE_NAME)
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        gets = {name: pool.submit(_get_or_none, run, run.step_key(step, name)) for name in names}
+    marker, raw, signature = (gets[name].result() for name in names)
+    if marker is None:
         raise VerificationError(
             run.where(run.step_key(step, COMMITTED_NAME)),
             "COMMITTED object is missing: the upload never finished",
-        ) from exc
-    try:
-        raw, _ = manifest_get.result()
-    except ObjectNotFound as exc:
-        raise VerificationError(where, "manifest.json object is missing") from exc
+        )
+    if raw is None:
+        raise VerificationError(where, "manifest.json object is missing")
+    if run.signer is not None:  # before the manifest is parsed or anything it names is fetched
+        run.signer.check(raw, signature, run.where(run.step_key(step, SIGNATURE_NAME)))
     manifest = Manifest.from_json(raw, where)
     if marker != committed_marker(step, raw):
         raise VerificationError(
@@ -70,7 +81,20 @@ def read_remote_manifest(run: RemoteRun, step: int) -> tuple[Manifest, bytes]:
         )
     if manifest.step != step or manifest.run_id != run.run_id:
         raise VerificationError(where, f"manifest names run {manifest.run_id!r} step {manifest.step}")
-    return manifest, raw
+    if run.expect_hash is not None:
+        for entry in manifest.files:
+            if entry.hash != run.expect_hash:
+                hashed = entry.hash or "sha256 (v1)"
+                reason = f"{entry.path} is hashed with {hashed}, this tier reads {run.expect_hash} only"
+                raise VerificationError(where, reason)
+    return manifest, raw, signature
+
+
+def _get_or_none(run: RemoteRun, key: str) -> bytes | None:
+    try:
+        return run.store.get_bytes(key)[0]
+    except ObjectNotFound:
+        return None
 
 
 def download_step(run: RemoteRun, step: int, layout: RunLayout, attempt: str, coll: Collective | None = None) -> Path:
@@ -82,11 +106,11 @@ def download_step(run: RemoteRun, step: int, layout: RunLayout, attempt: str, co
     rank fetches and checks :func:`share_of` the files; rank 0 publishes once all agree.
     """
     coll = coll or SingleProcess()
-    got = agreed(coll, lambda: read_remote_manifest(run, step) if coll.rank == 0 else None)
-    raw = coll.broadcast(got[1] if got is not None else None)
+    got = agreed(coll, lambda: read_signed_manifest(run, step) if coll.rank == 0 else None)
+    raw, signature = coll.broadcast((got[1], got[2]) if got is not None else None)
     manifest = got[0] if got is not None else Manifest.from_json(raw, run.where(run.step_key(step, MANIFEST_NAME)))
     final = layout.step_dir(step)
-    if coll.broadcast(agreed(coll, lambda: _already_here(run, final) if coll.rank == 0 else None)):
+    if coll.broadcast(agreed(coll, lambda: _already_here(run, layout, step) if coll.rank == 0 else None)):
         return final
     tmp = layout.tmp_dir(step, coll.broadcast(attempt))  # one directory for every rank's files
     agreed(coll, lambda: _fresh_tmp(tmp, step, raw) if coll.rank == 0 else None)
@@ -98,7 +122,8 @@ def download_step(run: RemoteRun, step: int, layout: RunLayout, attempt: str, co
         # The same publish as a local save (atomic rename, COMMITTED, latest.json), minus the
         # fsync of the data: the object store keeps its copy; a copy torn by a crash fails its
         # digests at the next restore and is fetched again.
-        agreed(coll, lambda: publish_dir(layout, tmp, step, raw, durable=False) if coll.rank == 0 else None)
+        publish = lambda: publish_dir(layout, tmp, step, raw, durable=False, signature=signature)  # noqa: E731
+        agreed(coll, lambda: publish() if coll.rank == 0 else None)
     except BaseException:
         if coll.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -106,21 +131,27 @@ def download_step(run: RemoteRun, step: int, layout: RunLayout, attempt: str, co
     return final
 
 
-def _already_here(run: RemoteRun, final: Path) -> bool:
-    """Whether the step is published here already and verifies (a copy that does not is removed)."""
+def _already_here(run: RemoteRun, layout: RunLayout, step: int) -> bool:
+    """Whether the step is published here already and verifies (a copy that does not is
+    quarantined, kept as evidence: the error may be a transient read error of shared storage)."""
+    final = layout.step_dir(step)
     if not final.exists():
         return False
     try:
-        verify_step(final, expect_run_id=run.run_id)
+        verify_step(final, expect_run_id=run.run_id, expect_hash=run.expect_hash, signer=run.signer)
         return True
-    except VerificationError:
-        shutil.rmtree(final)
+    except VerificationError as exc:
+        PosixTier(layout.root, layout.run_id).quarantine(step, str(exc))
         return False
 
 
 def _check_structure(run: RemoteRun, step: int, tmp: Path) -> None:
     """The whole fetched step: marker, manifest, sizes, nothing unlisted (the bytes were checked as fetched)."""
-    _named_in_store(run, step, tmp, lambda: verify_step(tmp, expect_run_id=run.run_id, hash_files=False))
+
+    def check() -> None:
+        verify_step(tmp, expect_run_id=run.run_id, hash_files=False, expect_hash=run.expect_hash)
+
+    _named_in_store(run, step, tmp, check)
 
 
 def _fresh_tmp(tmp: Path, step: int, raw: bytes) -> None:
