@@ -57,9 +57,10 @@ from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError, TieringError, UnsafeDirectory
+from tiering.local.posix import primary_store, replica_store
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
-from tiering.peer.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
+from tiering.peer.replication import PeerReplicator, ReplicationReport
 from tiering.peer.restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher
