@@ -2,43 +2,19 @@
 
 ``tiering`` reads no training config (every setting is a flag there); this adapter maps
 ``run.id``, ``checkpoint.reshardable`` and ``checkpoint.s3`` onto :func:`tiering.cli.upload` and
-:func:`tiering.cli.gc`, so the uploader and GC run from the same YAML as the trainer. Both use the
-trainer's run key (:mod:`pretrain.checkpointing.run_key_source`: the uploader promotes only steps
-whose ``SIGNATURE`` verifies, GC counts only those) and GC the run's ``suspect-steps.json``.
+:func:`tiering.cli.gc`, so the uploader and GC run from the same YAML as the trainer.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pretrain.checkpointing.run_key_source import key_path
 from pretrain.config import Config, s3_owner
 from pretrain.errors import ConfigError
-from pretrain.observability.runlog import run_dir
 from tiering import cli as tiering_cli
-from tiering.digest import PORTABLE_HASH
 from tiering.local.posix import PosixTier
-from tiering.peer.run_key import load_or_create
 from tiering.remote.tier import RemoteTier
-from tiering.signature import ManifestSigner
-
-SUSPECTS_NAME = "suspect-steps.json"  # written by the trainer (TieredCheckpointer.quarantine_everywhere)
 
 
-def manifest_signer(cfg: Config, create: bool = True) -> ManifestSigner:
-    """The run key's manifest signer (the trainer's key file; with ``create``, the default one is
-    created if absent, as rank 0 would: concurrent creators agree on one key). RunKeyError: one
-    line with the fix."""
-    path, may_create = key_path(cfg)
-    return ManifestSigner(load_or_create(path, create=create and may_create))
-
-
-def suspects_path(cfg: Config) -> Path:
-    """The run's list of poisoned steps (never restored, never counted as verified by GC)."""
-    return run_dir(cfg.run.dir, cfg.run.id) / SUSPECTS_NAME
-
-
-def remote_tier(cfg: Config, signer: ManifestSigner | None = None) -> RemoteTier:
+def remote_tier(cfg: Config) -> RemoteTier:
     """The run's object store tier; ConfigError if ``checkpoint.s3.uri`` is not set."""
     s3 = cfg.checkpoint.s3
     if not s3.uri:
@@ -56,15 +32,13 @@ def remote_tier(cfg: Config, signer: ManifestSigner | None = None) -> RemoteTier
         max_attempts=s3.max_attempts,
         connect_timeout_s=s3.connect_timeout_s,
         read_timeout_s=s3.read_timeout_s,
-        signer=signer,
-        expect_hash=PORTABLE_HASH,
     )
 
 
-def staging_tier(cfg: Config, signer: ManifestSigner | None = None) -> PosixTier:
+def staging_tier(cfg: Config) -> PosixTier:
     """The reshardable tier the uploader promotes from."""
     tier = cfg.checkpoint.reshardable
-    return PosixTier(tier.dir, cfg.run.id, tier.keep, name="reshardable", expect_hash=PORTABLE_HASH, signer=signer)
+    return PosixTier(tier.dir, cfg.run.id, tier.keep, name="reshardable")
 
 
 def run_upload(
@@ -72,12 +46,9 @@ def run_upload(
 ) -> int:
     """``tiering upload`` with the store, run, owner, polling and backoff of ``cfg``."""
     s3 = cfg.checkpoint.s3
-    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
-    signer = manifest_signer(cfg)
-    remote.signer = signer
     return tiering_cli.upload(
-        remote,
-        staging_tier(cfg, signer),
+        remote_tier(cfg),
+        staging_tier(cfg),
         s3_owner(cfg),
         watch=watch,
         poll_s=s3.poll_s,
@@ -88,16 +59,6 @@ def run_upload(
 
 
 def run_gc(cfg: Config, *, apply: bool = False) -> int:
-    """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``, the run
-    key and the run's suspect list."""
+    """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``."""
     s3 = cfg.checkpoint.s3
-    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
-    remote.signer = manifest_signer(cfg, create=False)  # GC never makes up a key
-    return tiering_cli.gc(
-        remote,
-        s3.keep,
-        s3.milestone_every,
-        apply=apply,
-        min_age_s=s3.gc_min_age_s,
-        suspects=tiering_cli.read_suspects(suspects_path(cfg)),
-    )
+    return tiering_cli.gc(remote_tier(cfg), s3.keep, s3.milestone_every, apply=apply, min_age_s=s3.gc_min_age_s)

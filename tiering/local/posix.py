@@ -19,7 +19,6 @@ from tiering.errors import VerificationError
 from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.retention import KeepNewest, RetentionPolicy
-from tiering.signature import ManifestSigner
 from tiering.system.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.verify import read_manifest, verify_step
 
@@ -45,8 +44,7 @@ class PosixTier:
 
     ``dirname`` is the run id for a whole-run store (the reshardable tier), or ``rank-NNNNN`` for
     a per-rank primary or replica store; ``run_id`` (default: ``dirname``) is what manifests
-    must name. ``signer``: the tier's steps are signed (the reshardable tier): a step whose
-    ``SIGNATURE`` is missing or forged never verifies, nor counts as kept by retention.
+    must name.
     """
 
     def __init__(
@@ -58,11 +56,9 @@ class PosixTier:
         run_id: str | None = None,
         name: str = "local",
         expect_hash: str | None = None,
-        signer: ManifestSigner | None = None,
     ) -> None:
         self.layout = RunLayout(Path(root), dirname)
         self.expect_hash = expect_hash  # the one digest this tier's steps may use (None: any known one)
-        self.signer = signer
         self.policy: RetentionPolicy = KeepNewest(keep)
         self.run_id = run_id or dirname
         self.name = name
@@ -99,11 +95,7 @@ class PosixTier:
     # -- verification ------------------------------------------------------------------------
     def verify(self, step: int, shard: tuple[int, int] = (0, 1)) -> Manifest:
         return verify_step(
-            self.layout.step_dir(step),
-            expect_run_id=self.run_id,
-            shard=shard,
-            expect_hash=self.expect_hash,
-            signer=self.signer,
+            self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard, expect_hash=self.expect_hash
         )
 
     def quarantine(self, step: int, reason: str) -> Path | None:
@@ -213,7 +205,7 @@ class PosixTier:
         verified = []
         for step in committed:
             try:
-                read_manifest(self.layout.step_dir(step), self.signer)
+                read_manifest(self.layout.step_dir(step))
                 verified.append(step)
             except VerificationError:
                 continue
