@@ -39,7 +39,6 @@ def one_run(work: Path, corpus: Path, impairment: dict[str, Any]) -> dict[str, A
         "checkpoint.reshardable.interval=1000",
         "checkpoint.replication.allow_same_domain=false",
         "checkpoint.replication.timeout_s=20",
-        "checkpoint.memory.enabled=false",  # on by default: its peer stream would share the link measured
     ]
     with Cluster(work, 2, link="cable") as cluster:
         for index in (0, 1):

@@ -33,7 +33,6 @@ def measure(nproc: int, work: Path, corpus: Path) -> dict[str, float]:
         "checkpoint.reshardable.interval": 20,
         "train.log_interval": 1000,
         "checkpoint.replication.allow_same_domain": "true",
-        "checkpoint.memory.enabled": "false",  # on by default: no tier-0 snapshot beside the saves measured
     }
     torchrun(job, nproc, overrides_for(job, corpus, **common), timeout=600)
     ev = events(job / "runs" / "t")

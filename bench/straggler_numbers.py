@@ -65,7 +65,6 @@ def _start(work: Path, name: str, steps: int, settings: list[str]) -> tuple[subp
         f"checkpoint.local.dir={run}/ckpt",
         "checkpoint.local.interval=100000",
         "checkpoint.reshardable.enabled=false",
-        "checkpoint.memory.enabled=false",  # on by default: no save beside the steps measured here
         "metrics.enabled=false",
         f"train.steps={steps}",
         f"schedule.decay_steps={steps}",

@@ -123,10 +123,6 @@ def _train(work: Path, name: str, settings: list[str]) -> list[dict[str, Any]]:
         f"data.prefix={_corpus(work)}",
         f"checkpoint.local.dir={run}/ckpt",
         "checkpoint.reshardable.enabled=false",
-        # Tier 0 is on by default: a case measures it only where it says so (a plain step is one
-        # without any save), in this job's own directory.
-        "checkpoint.memory.enabled=false",
-        f"checkpoint.memory.dir={run}/tier0",
         "metrics.enabled=false",
         *settings,
     ]

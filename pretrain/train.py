@@ -78,7 +78,7 @@ def setup_logging(rank: int) -> None:
 
 def _check_host_memory(cfg: Config, world: int, cuda: bool) -> None:
     """Refuse a node with less memory than the run's tiers need per node (``pretrain plan`` prints it)."""
-    layout = host_layout(cfg, model_size(cfg, world), _env_int("LOCAL_WORLD_SIZE", 1), gpu=cuda, tier0_auto=False)
+    layout = host_layout(cfg, model_size(cfg, world), _env_int("LOCAL_WORLD_SIZE", 1), gpu=cuda)
     have = node_memory_bytes()
     refusal = host_memory_refusal(str(cfg.source), host_memory_per_node(layout), have) if have else None
     if refusal:

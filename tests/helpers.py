@@ -52,13 +52,6 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
         "data.prefix": str(corpus),
         "checkpoint.local.dir": str(tmp / "ckpt"),
         "checkpoint.reshardable.dir": str(tmp / "reshard"),
-        # Tier 0 is on by default (auto) for users. A test job keeps it off unless the test is about
-        # it (it then sets checkpoint.memory.enabled): most tests here prove which step and tier a
-        # restore takes from tiers 1-2, the reshardable tier and S3, and tier 0 would serve them all
-        # first. The soak, the demo, the drill and the GPU check run with the default. Its slots go
-        # in the test's own directory, never the machine's shared default.
-        "checkpoint.memory.enabled": "false",
-        "checkpoint.memory.dir": str(tmp / "tier0"),
         **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]

@@ -1,8 +1,7 @@
 """Tier 0 end to end (real gloo jobs, real tmpfs, real kills and corruption): a SIGKILL from outside
 the job at a random step loses 0 or 1 steps and resumes bit-exact from memory; a flipped byte in
 the newest slot falls back to the older slot, both slots bad to tier 1; a tmpfs that fills turns
-tier 0 off with one warning while training and tier 1 go on; a tmpfs too small is refused at start
-(``enabled: true``) or leaves tier 0 off (``auto``)."""
+tier 0 off with one warning while training and tier 1 go on; a tmpfs too small is refused at start."""
 
 from __future__ import annotations
 
@@ -50,9 +49,8 @@ COMMON = {
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs mounted for this test (root only), unmounted whatever happens. Tier 0 of the
-    tiny config needs 55 MiB of it: 3 slots x (own + peer) x 2 ranks."""
-    with tmpfs(tmp_path / "shm", 64) as mnt:
+    """A 40 MiB tmpfs mounted for this test (root only), unmounted whatever happens."""
+    with tmpfs(tmp_path / "shm", 40) as mnt:
         yield mnt
 
 
@@ -112,23 +110,18 @@ def _slots(root: Path, rank: int) -> SlotStore:
     return SlotStore(root, "t", rank, 2)
 
 
-def _two_slots(root: Path) -> dict[str, Any]:
-    """Tier 0 with two slots: the cases that corrupt every slot of a rank name both."""
-    return {**_memory(root), "checkpoint.memory.slots": 2}
-
-
 def test_a_flipped_byte_in_a_sealed_slot_is_caught_quarantined_and_tier1_used_and_both_slots_bad_too(
     tmp_path: Path, corpus: Path, baseline: Path, shm_dir: Path
 ) -> None:
     """A finished run's tier 1 holds its final step, as tier 0 does: a bad slot of that step is
     caught on one rank, so every rank uses tier 1 (the newest step every rank can obtain)."""
     job = tmp_path / "job"
-    torchrun(job, 2, overrides_for(job, corpus, **{**COMMON, "train.steps": 15}, **_two_slots(shm_dir)))
+    torchrun(job, 2, overrides_for(job, corpus, **{**COMMON, "train.steps": 15}, **_memory(shm_dir)))
     newest = max(_slots(shm_dir, 0).views(), key=lambda v: v.step or -1)
     assert newest.step == 15
     flip_byte(_slots(shm_dir, 0).state_path(newest.index))
 
-    torchrun(job, 2, overrides_for(job, corpus, **{**COMMON, "train.steps": 18}, **_two_slots(shm_dir)))
+    torchrun(job, 2, overrides_for(job, corpus, **{**COMMON, "train.steps": 18}, **_memory(shm_dir)))
     first = _restores(job)[-1]
     assert (first["step"], first["tier"]) == (15, "local"), first
     assert [r["step"] for r in first["rejected"]] == [15] and "chunk" in first["rejected"][0]["reason"]
@@ -139,7 +132,7 @@ def test_a_flipped_byte_in_a_sealed_slot_is_caught_quarantined_and_tier1_used_an
     assert sorted(v.step or -1 for v in _slots(shm_dir, 1).views()) == [17, 18]
     for view in _slots(shm_dir, 1).views():
         flip_byte(_slots(shm_dir, 1).state_path(view.index))
-    torchrun(job, 2, overrides_for(job, corpus, **COMMON, **_two_slots(shm_dir)))
+    torchrun(job, 2, overrides_for(job, corpus, **COMMON, **_memory(shm_dir)))
     second = _restores(job)[-1]
     assert (second["step"], second["tier"]) == (18, "local"), second
     assert [r["reason"].split(":")[0] for r in second["rejected"]] == ["rank 1"]
@@ -179,7 +172,7 @@ def test_a_full_tmpfs_turns_tier0_off_with_one_warning_and_training_and_tier1_go
     _assert_bit_exact(job, baseline, 1)
 
 
-def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_or_left_off_in_one_line(
+def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_in_one_line(
     tmp_path: Path, corpus: Path, small_tmpfs: Path
 ) -> None:
     subprocess.run(["dd", "if=/dev/zero", f"of={small_tmpfs / 'filler'}", "bs=1M", "count=30"], check=True)
@@ -189,19 +182,8 @@ def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_or_left_off_in_one_
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if f"checkpoint.memory.dir {small_tmpfs}" in line]
     assert lines, out[-3000:]
-    assert "3 slots x (own" in lines[0] and "--shm-size" in lines[0] and "emptyDir" in lines[0]
+    assert "2 slots x (own" in lines[0] and "--shm-size" in lines[0] and "emptyDir" in lines[0]
     assert not (job / "runs" / "t" / "metrics.jsonl").exists(), "no step may run"
-    # The default (auto): the same node trains with tier 0 off, said once with the same sizes.
-    auto = tmp_path / "auto"
-    over = {**COMMON, **_memory(small_tmpfs), "checkpoint.memory.enabled": "auto"}
-    proc = torchrun(auto, 2, overrides_for(auto, corpus, **over))
-    out = proc.stdout + proc.stderr
-    said = [line for line in out.splitlines() if "tier 0 stays off (checkpoint.memory.enabled: auto)" in line]
-    assert len(said) == 1 and "WARNING" in said[0] and "3 slots x (own" in said[0] and "fix:" in said[0], out[-3000:]
-    ev = events(auto / "runs" / "t")
-    assert not [e for e in ev if e["event"] == "save" and e["tier"] == "memory"]
-    assert [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local"] == [10, 20, STEPS]
-    assert max(metrics_by_step(auto / "runs" / "t")) == STEPS
 
 
 def test_an_in_process_restart_restores_the_newest_step_from_tier0(

@@ -41,8 +41,6 @@ def _config(tmp: Path, memory_interval: int = 1) -> Config:
         "checkpoint.memory.enabled=true",
         f"checkpoint.memory.dir={tmp / 'shm'}",
         f"checkpoint.memory.interval={memory_interval}",
-        "checkpoint.memory.slots=2",  # the cases below name both slots
-        "checkpoint.agent.enabled=false",  # tier 1 saved here in-process, by the test
     )
 
 

@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from tests.helpers import TEST_KEY, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
-from tiering.local.posix import primary_store, replica_store
-from tiering.peer.replication import PeerReplicator
+from tiering.peer.replication import PeerReplicator, primary_store, replica_store
 from tiering.peer.run_key import RunKey
 from tiering.peer.transport import CHANNEL, TAG_ACK, TAG_HEAD, TAG_SIZE, OutgoingStep, Transport
 from tiering.publish import PosixStepPublisher, manifest_for

@@ -182,7 +182,6 @@ class Layout:
     tier1_background: bool  # pinned snapshot buffers (GPU thread writer)
     reshardable_gather: bool  # the fully reshardable DistributedOptimizer save/load
     gpu: bool
-    tier0_auto: bool = False  # tier 0 at auto: off where the node cannot hold it, never refused for it
 
 
 def host_memory_per_node(x: Layout) -> list[tuple[str, int]]:
@@ -190,9 +189,7 @@ def host_memory_per_node(x: Layout) -> list[tuple[str, int]]:
     n = x.ranks_per_node
     rows = [
         (
-            f"tier 0 tmpfs: {x.tier0_slots} slots x (own + {x.peer_copies} peer){' (auto)' if x.tier0_auto else ''}"
-            if x.tier0_slots
-            else "tier 0 (off)",
+            f"tier 0 tmpfs: {x.tier0_slots} slots x (own + {x.peer_copies} peer)" if x.tier0_slots else "tier 0 (off)",
             x.tier0_slots * (1 + x.peer_copies) * (x.state_bytes_per_rank + SLOT_SLACK) * n,
         ),
         ("tier 0 pinned arena (its GPU copy)", x.state_bytes_per_rank * n if x.tier0_slots and x.gpu else 0),

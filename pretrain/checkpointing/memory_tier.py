@@ -343,50 +343,32 @@ class MemoryTier:
 
     # -- start-up --------------------------------------------------------------------------------
     def check_capacity(self, state: TrainingState) -> None:
-        """Collective: where the tmpfs cannot hold ``slots x (own + peer)`` state for every rank
-        of this node that shares it (peer: the states of the ranks whose copies it holds), refuse
-        to start (``enabled: true``: ConfigError, one line on every rank) or, with ``auto``, turn
-        tier 0 off on every rank and say so once with the sizes."""
-        error = self._room_error(state)
-        failed = next((e for e in self.coll.all_gather(error) if e), None)
-        if failed is None:
-            return
-        if self.cfg.checkpoint.memory.enabled is True:
-            raise ConfigError(failed)
-        self.enabled = False
-        if self.rank == 0:
-            log.warning("tier 0 stays off (checkpoint.memory.enabled: auto): %s", failed)
-
-    def _room_error(self, state: TrainingState) -> str | None:
-        """Collective: this node's refusal line (sizes and fix), or None when tier 0 fits."""
+        """Collective: refuse to start (ConfigError, one line on every rank) when the tmpfs cannot
+        hold ``slots x (own + peer)`` state for every rank of this node that shares it (peer: the
+        states of the ranks whose copies it holds)."""
         mem = self.cfg.checkpoint.memory
         root = Path(mem.dir)
-        error = None
         try:
             private_dir(root / self.cfg.run.id)  # 0700, ours, not a symlink: tier 0 holds the model
             st = os.statvfs(root)
             where = (socket.gethostname(), os.stat(root).st_dev)
         except UnsafeDirectory as exc:
-            error = f"{self.cfg.source}: checkpoint.memory.dir: {exc}"
+            raise ConfigError(f"{self.cfg.source}: checkpoint.memory.dir: {exc}") from exc
         except OSError as exc:
-            error = (
+            raise ConfigError(
                 f"{self.cfg.source}: checkpoint.memory.dir {root}: {exc.strerror or exc}; fix: point it at a "
                 "writable tmpfs (/dev/shm) or set checkpoint.memory.enabled=false"
-            )
+            ) from exc
         payload = rank_payload(state, self.rank)
         # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
         own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
         cuda = torch.cuda.is_available()
         host = (0, 2 * own) if cuda else (0, 0)  # pinned arenas: tier 0's own and tier 1's (exact size)
         owners = self.peers.owners_held if self.peers is not None else []
-        row = None
-        if error is None:
-            held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
-            on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev
-            row = (where, own, st.f_bavail * st.f_frsize, held, owners, host, cgroup_free_bytes(), on_shm)
-        rows = self.coll.all_gather(row if row is not None else (None, own, 0, 0, owners, host, None, False))
-        if error is not None:
-            return error
+        held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
+        on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's
+        row = (where, own, st.f_bavail * st.f_frsize, held, owners, host, cgroup_free_bytes(), on_shm)
+        rows = self.coll.all_gather(row)
         sizes = [r[1] for r in rows]
         node = [r for r in rows if r[0] == where]
         needs = [RankNeed(r[1], sum(sizes[p] for p in r[4]), *r[5]) for r in node]
@@ -395,9 +377,12 @@ class MemoryTier:
             tmpfs_free_bytes=min(r[2] for r in node),
             tier0_held_bytes=sum(r[3] for r in node),
             cgroup_free_bytes=min(frees) if frees else None,
-            shm_reserve_bytes=SHM_RESERVE_PER_RANK * len(node) if node[0][7] else 0,  # NCCL's /dev/shm
+            shm_reserve_bytes=SHM_RESERVE_PER_RANK * len(node) if node[0][7] else 0,
         )
-        return node_budget(needs, mem.slots, room).refusal(self.cfg.source, str(root))
+        error = node_budget(needs, mem.slots, room).refusal(self.cfg.source, str(root))
+        failed = next((e for e in self.coll.all_gather(error) if e), None)
+        if failed:
+            raise ConfigError(failed)
 
     # -- restore ---------------------------------------------------------------------------------
     def find_restorable(self, floor: int, suspect: set[int]) -> tuple[Found | None, list[tuple[int, str]]]:

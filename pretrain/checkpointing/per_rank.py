@@ -53,10 +53,9 @@ from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError, TieringError, UnsafeDirectory
-from tiering.local.posix import primary_store, replica_store
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
-from tiering.peer.replication import PeerReplicator, ReplicationReport
+from tiering.peer.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
 from tiering.peer.restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher
@@ -147,7 +146,7 @@ class PerRankCheckpoints:
         self._publishing: _PublishInFlight | None = None
         ipc = cfg.fault_tolerance.inprocess
         # For in-process restarts; tier 0 (checkpoint.memory) is that host copy when enabled.
-        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.wanted
+        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.enabled
         self.node = placement.node
         self.identities = placement.identities
         self.holders = placement.holders

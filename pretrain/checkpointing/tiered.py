@@ -22,7 +22,7 @@ from pretrain.checkpointing.run_key_source import load_run_key
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.config import Config, s3_owner
-from pretrain.errors import AgentGone, FreshStartRefused
+from pretrain.errors import FreshStartRefused
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, TorchCollective
@@ -58,7 +58,7 @@ class TieredCheckpointer:
         self.reshardable: ReshardableCheckpoints | None = None
         self._staging: ReshardableCheckpoints | None = None  # the reshardable tier, if it answers (per restore)
         self._staging_note: str | None = None  # why the restore left the reshardable tier alone
-        self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.wanted else None
+        self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
         # The lease first: a job that may not write this run fails before anything else starts.
@@ -79,7 +79,7 @@ class TieredCheckpointer:
         if self.memory is not None and self.local is not None:
             self._attach_memory_peers()
         self.agent: AgentTier | None = None
-        if cfg.checkpoint.agent_wanted and self.memory is not None and self.local is not None:
+        if cfg.checkpoint.agent.enabled and self.memory is not None and self.local is not None:
             self.agent = self._agent_tier(self.memory, self.local)
 
     def _agent_tier(self, memory: MemoryTier, local: PerRankCheckpoints) -> AgentTier:
@@ -93,13 +93,6 @@ class TieredCheckpointer:
                 ck.memory.slots,
             )
         link = AgentLink(spec, ck.agent.timeout_s)
-        try:
-            # Found or started now, at start-up: a first start at a tier-1 step would import and
-            # bind inside a timed step (seconds on a loaded node). The open connection keeps the
-            # agent while this rank lives.
-            link.request({"op": "hello"})
-        except AgentGone as exc:
-            log.warning("rank %d: %s; the first tier-1 save tries again", self.coll.rank, exc)
         return AgentTier(
             self.coll,
             ck.local.interval,

@@ -12,7 +12,7 @@ same job run without a fault; then damaged checkpoints and repeated failures are
 4. a step-200 copy without COMMITTED and one without a shard (own copy, its replica and the
    reshardable tier) -> all rejected, recovery from 150;
 5. three consecutive failures -> the job stops and says why;
-6. tier 0 (every step's state in host memory; off in phases 1-5) on a fresh run, rank 1 SIGKILLed at step 43, before
+6. tier 0 (every step's state in host memory) on a fresh run, rank 1 SIGKILLed at step 43, before
    tier 1 holds anything -> restored from tier 0 with at most one step lost, matching the baseline.
 
 Writes ``drill-report.json``, ``drill-report.md`` and ``drill-loss.png`` under the work directory.
@@ -97,9 +97,6 @@ class Drill:
             "checkpoint.reshardable.interval": 100,
             "checkpoint.reshardable.keep": 2,
             "checkpoint.replication.allow_same_domain": "true",
-            # Phases 1-5 drill tiers 1-2 and the reshardable tier, which tier 0 (on by default where
-            # it fits) would serve first; phase 6 turns it on.
-            "checkpoint.memory.enabled": "false",
             "schedule.decay_steps": TOTAL,  # one LR schedule for every phase, as in one long run
             "metrics.enabled": "false",
             **extra,

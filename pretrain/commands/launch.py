@@ -532,7 +532,7 @@ def launch(
     if plan.platform == "slurm":
         run_id = plan.run_id or cfg.run.id
         dirs = [str(Path(plan.local_nvme) / run_id)]
-        if cfg.checkpoint.memory.wanted:
+        if cfg.checkpoint.memory.enabled:
             dirs.append(str(Path(cfg.checkpoint.memory.dir) / run_id))
         mark_node_state(env["SLURM_JOB_ID"], run_id, dirs, env)
     if cfg.fault_tolerance.standby:  # it ends with the launcher this process becomes

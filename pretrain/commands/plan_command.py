@@ -183,8 +183,6 @@ def _host_memory_lines(cfg: Config, size: ModelSize, ranks_per_node: int) -> lis
     rows = host_memory_per_node(host_layout(cfg, size, ranks_per_node, gpu=cfg.model.precision == "bf16"))
     lines = [f"host memory per node ({ranks_per_node} ranks; refused at start where the node has less):"]
     lines += [f"  {what:<58} {size_text(b):>10}" for what, b in rows]
-    if cfg.checkpoint.memory.enabled == "auto":
-        lines.append("  (auto): tier 0 and its arena are left off where the node cannot hold them, never refused")
     return lines
 
 

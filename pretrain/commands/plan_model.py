@@ -138,21 +138,17 @@ def count(n: float) -> str:
     return str(int(n))
 
 
-def host_layout(cfg: Config, size: ModelSize, ranks_per_node: int, gpu: bool, tier0_auto: bool = True) -> Layout:
-    """The host-memory figures of ``cfg``'s tiers on nodes of ``ranks_per_node`` ranks; tier 0 at
-    ``auto`` counts only with ``tier0_auto`` (the plan shows it; the start-up check leaves it to
-    tier 0's own, which turns it off where it does not fit)."""
+def host_layout(cfg: Config, size: ModelSize, ranks_per_node: int, gpu: bool) -> Layout:
+    """The host-memory figures of ``cfg``'s tiers on nodes of ``ranks_per_node`` ranks."""
     ck = cfg.checkpoint
-    tier0 = ck.memory.enabled is True or (ck.memory.enabled == "auto" and tier0_auto)
     return Layout(
         params_per_rank=size.params_per_rank,
         weight_bytes=size.weight_bytes,
         state_bytes_per_rank=size.state_bytes_per_rank,
         ranks_per_node=ranks_per_node,
-        tier0_slots=ck.memory.slots if tier0 else 0,
+        tier0_slots=ck.memory.slots if ck.memory.enabled else 0,
         peer_copies=max(0, ck.replication.factor - 1),
         tier1_background=ck.local.enabled and ck.async_.enabled,
         reshardable_gather=ck.reshardable.enabled and size.distributed_optimizer,
         gpu=gpu,
-        tier0_auto=tier0 and ck.memory.enabled == "auto",
     )

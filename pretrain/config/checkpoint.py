@@ -186,19 +186,10 @@ class MemoryTierConfig:
     killed at any step loses at most ``interval`` steps and restores without reading a disk.
     It survives the rank process and an ft_launcher restart, not the node (docs/memory-tier.md)."""
 
-    # auto: on where the node's tmpfs (and memory cgroup) holds slots x (own + peer) state for every
-    # rank of the node, else off with one line naming the sizes; true: refuse to start where it does not.
-    enabled: Literal[True, False, "auto"] = "auto"
+    enabled: bool = False  # tier 0 on (opt-in: it needs slots x state size of tmpfs per rank)
     interval: int = 1  # steps between tier-0 snapshots (1: every step, at most one step lost)
     dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
-    # 3: one slot is the newest sealed, one may be read by the node's agent or the peer stream,
-    # and the next snapshot still has one of its own (with 2 a copy slower than a step is torn).
-    slots: int = 3
-
-    @property
-    def wanted(self) -> bool:
-        """Tier 0 is built (on, or ``auto``: its capacity check at start decides)."""
-        return self.enabled is not False
+    slots: int = 2  # the newest sealed slot is never the one being written
 
     def check(self, fail: Fail) -> None:
         positive(fail, interval=self.interval)
@@ -212,11 +203,7 @@ class AgentConfig:
     persisted by one agent process per run per node from the sealed tier-0 slots, so no tier-1
     storage call runs in a training process after its restore (docs/checkpoints.md, "The agent")."""
 
-    # auto: on wherever tier 0 is on with room for the agent's copy (3 or more slots) and tier 1's
-    # interval is a multiple of tier 0's, else tier 1 is written in-process; true: refuse a config
-    # where it cannot be on; false (the default until the storage-fault soak passes with it):
-    # tier 1 in-process always.
-    enabled: Literal[True, False, "auto"] = False
+    enabled: bool = False  # tier 1 through the agent (needs checkpoint.memory.enabled)
     timeout_s: float = 2.0  # a rank's request to the agent: past it the agent counts as gone
     idle_exit_s: float = 60.0  # the agent exits once no rank was connected and nothing queued this long
 
@@ -251,8 +238,8 @@ class CheckpointConfig:
         self.integrity.check(fail.within("integrity"))
         self.memory.check(fail.within("memory"))
         self.agent.check(fail.within("agent"))
-        if self.agent.enabled is True and self.local.enabled:
-            if not self.memory.wanted:
+        if self.agent.enabled and self.local.enabled:
+            if not self.memory.enabled:
                 fail("agent.enabled", "the agent persists tier 0's snapshots, but tier 0 is off",
                      "set checkpoint.memory.enabled=true or checkpoint.agent.enabled=false")  # fmt: skip
             elif self.local.interval % self.memory.interval:
@@ -267,11 +254,3 @@ class CheckpointConfig:
             )
         if not self.local.enabled and not self.reshardable.enabled:
             fail("local.enabled", "every checkpoint tier is disabled", "enable the local or reshardable tier")
-
-    @property
-    def agent_wanted(self) -> bool:
-        """Tier 1 goes through the node's agent (while tier 0, which it persists, stays on)."""
-        agent = self.agent.enabled
-        if agent is False or not self.local.enabled or not self.memory.wanted:
-            return False
-        return agent is True or (self.local.interval % self.memory.interval == 0 and self.memory.slots >= 3)

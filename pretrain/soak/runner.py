@@ -32,7 +32,6 @@ from typing import Any
 import psutil
 import yaml
 
-from pretrain.checkpointing.agent.client import end_agent
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import Config, load_config
 from pretrain.observability.runlog import read_jsonl
@@ -110,11 +109,8 @@ class RunTimes:
 class Job:
     """One job: an ``ft_launcher`` process, started again after a job-level fault."""
 
-    def __init__(
-        self, cfg_path: Path, nproc: int, log: Path, max_restarts: int, records: Path, uploader: bool = False
-    ) -> None:
+    def __init__(self, cfg_path: Path, nproc: int, log: Path, max_restarts: int, uploader: bool = False) -> None:
         self.cfg_path = cfg_path
-        self.records = Path(os.path.abspath(records))  # the run's records: its node agent's status is there
         self.with_uploader = uploader  # the uploader beside the job, started with it, stopped at close
         self.uploader: Uploader | None = None
         self.nproc = nproc
@@ -157,7 +153,6 @@ class Job:
                 self.proc.wait(timeout=10)
         if self.uploader is not None:
             self.uploader.stop()
-        end_agent(self.records)  # the checkpoint agent runs in its own session, apart from the job's tree
         for tmp in self.tmpdirs:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -213,7 +208,7 @@ class SoakRunner:
         share slots, and an earlier soak's slots of the same run id would be restored at the first
         start). Call teardown_memory."""
         memory = self.loaded().checkpoint.memory
-        if memory.wanted:
+        if memory.enabled:
             self.memory_root = Path(memory.dir) / f"soak-{os.getpid()}-{time.monotonic_ns()}"
 
     def teardown_memory(self) -> None:
@@ -284,7 +279,7 @@ class SoakRunner:
         uploader beside it when the soak has a store kind (the baseline: the faulted run has one)."""
         cfg_path = self.config(name, steps)
         log = self.run_root(name) / log_name
-        job = Job(cfg_path, self.s.nproc, log, 2, self.run_dir(name), uploader=uploader and self.proxy is not None)
+        job = Job(cfg_path, self.s.nproc, log, max_restarts=2, uploader=uploader and self.proxy is not None)
         self.jobs.append(job)
         t0 = time.time()
         try:
@@ -300,7 +295,7 @@ class SoakRunner:
         name = "faulted"
         cfg_path = self.config(name, self.s.steps)
         log = self.run_root(name) / "job.log"
-        job = Job(cfg_path, self.s.nproc, log, len(schedule) + 2, self.run_dir(name), uploader=self.proxy is not None)
+        job = Job(cfg_path, self.s.nproc, log, max_restarts=len(schedule) + 2, uploader=self.proxy is not None)
         self.jobs.append(job)
         events: list[FaultEvent] = []
         stopped: str | None = None

@@ -76,10 +76,6 @@ def start_node(
         "--ft-config",
         str(ft_config),
     ]
-    if not any(item.startswith("checkpoint.memory.dir=") for item in overrides):
-        # Tier 0 (on by default) in the node's own memory, as on separate machines: a lost node's
-        # slots go with it (its NVMe directory is wiped), the survivors' stay.
-        overrides = [*overrides, f"checkpoint.memory.dir={cluster.nodes[index].nvme / 'tier0'}"]
     for item in overrides:
         argv += ["--set", item]
     env = node_env(cluster, index, run_id, nnodes or cluster.count)

@@ -92,10 +92,6 @@ def config(mode: str, workdir: Path, run_id: str, extra: list[str]) -> Config:
         f"data.prefix={workdir / 'data' / 'corpus'}",
         f"checkpoint.local.dir={workdir / 'ckpt-local'}",
         f"checkpoint.reshardable.dir={workdir / 'ckpt-reshardable'}",
-        # These restarts check the tier-1 and reshardable restores (tier 0 has its own check in
-        # resilience_driver.py): tier 0, on by default where it fits, would serve them first.
-        "checkpoint.memory.enabled=false",
-        f"checkpoint.memory.dir={workdir / 'tier0'}",
     ]
     return load_config(CONFIG, sets + (CPU_SIZE if mode == "cpu" else []) + extra)
 

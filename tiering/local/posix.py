@@ -252,14 +252,3 @@ def _image_of(step_dir: Path) -> str:
         return ""
     framework = body.get("framework") if isinstance(body, dict) else None
     return str(framework.get("image_digest", "")) if isinstance(framework, dict) else ""
-
-
-# Where a node keeps a rank's own steps and the replicas it holds of others (tier 1 and tier 2).
-# Here, beside the tier, not with the replication: the node's agent finds a rank's store without
-# importing the transport (torch: seconds of start-up on a loaded node).
-def primary_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
-    return PosixTier(node_root / "ranks", f"rank-{owner:05d}", keep, run_id=run_id, name="local")
-
-
-def replica_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
-    return PosixTier(node_root / "replicas", f"rank-{owner:05d}", keep, run_id=run_id, name="peer")

@@ -11,6 +11,5 @@ training process after its restore, and a stalled volume holds the agent's worke
 * :mod:`.client`: a rank's link to it (find or start, bounded requests).
 
 The rank side, :class:`pretrain.checkpointing.agent_tier.AgentTier`, is tier 1 to the checkpoint
-manager when ``CheckpointConfig.agent_wanted`` (``checkpoint.agent.enabled``: ``true``, or ``auto``)
-and tier 0 is on.
+manager when ``checkpoint.agent.enabled`` and tier 0 is on.
 """

@@ -6,19 +6,15 @@ When no agent answers, the link starts one (``python -m pretrain.checkpointing.a
 session, its log under the tier-0 root: tmpfs, never the training's storage) and waits for it to
 listen; two ranks that start one at once leave one agent (the second cannot bind the address).
 A link whose agent went away says so with :class:`AgentGone`; the next request starts a new one.
-:func:`end_agent` is the launcher's side: once a job is over, its node's agent is given a moment to
-finish and exit, then stopped (a tool that runs jobs back to back leaves nothing behind).
 
 Never: touches tier-1 storage (the agent does), or blocks longer than its timeouts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +27,6 @@ from pretrain.checkpointing.agent.server import AgentSpec
 from pretrain.config import Config
 from pretrain.errors import AgentGone
 from pretrain.observability.runlog import run_dir
-from pretrain.platform.procfs import STATE, stat_fields
 from pretrain.resilience.standby.wire import receive, require_same_user, send
 from tiering.errors import UnsafeDirectory
 from tiering.system.private_dir import private_dir
@@ -178,35 +173,3 @@ def keep_agent_watching(cfg: Config) -> AgentLink | None:
         log.warning("%s; hangs are found by NVRx's section timeouts alone", exc)
         return None
     return link
-
-
-def end_agent(status_dir: Path, grace_s: float = 10.0) -> int | None:
-    """The job whose records are under ``status_dir`` is over: wait up to ``grace_s`` for this
-    node's agent of it to exit (it does once the last rank left after the final save, or after
-    its idle time), then SIGKILL it (it ignores the job's signals; a kill mid-copy publishes
-    nothing, and the next agent removes the copy). Returns the pid that had to be killed."""
-    try:
-        pid = int(json.loads((status_dir / "agents" / f"{socket.gethostname()}.json").read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no agent ever ran for this run on this node
-    if not _is_agent_of(pid, status_dir):
-        return None
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _is_agent_of(pid, status_dir):
-            return None
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    log.info("checkpoint agent %d of %s still ran %.0fs after its job: stopped", pid, status_dir, grace_s)
-    return pid
-
-
-def _is_agent_of(pid: int, status_dir: Path) -> bool:
-    """Whether ``pid`` is alive and is this run's agent (not a pid the kernel reused)."""
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = stat_fields(Path(f"/proc/{pid}/stat"))[STATE]
-    except OSError:
-        return False
-    return state != "Z" and b"pretrain.checkpointing.agent" in cmd and str(status_dir).encode() in cmd
