@@ -57,7 +57,7 @@ from pretrain.checkpointing.per_rank import load_verified_state
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec, chunk_count, chunk_range
 from tiering.layout import RunLayout
-from tiering.peer.replication import primary_store, replica_store
+from tiering.local.posix import primary_store, replica_store
 from tiering.peer.restore import PeerRecovery
 from tiering.peer.run_key import RunKey
 from tiering.peer.transport import PIECE, SEND_SLOTS, Transport

@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tiering.collective import SingleProcess, TorchCollective
+from tiering.local.posix import primary_store
 from tiering.peer.placement import RankIdentity, replica_holders
-from tiering.peer.replication import PeerReplicator, primary_store
+from tiering.peer.replication import PeerReplicator
 from tiering.peer.restore import PeerRecovery
 from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport

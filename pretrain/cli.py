@@ -16,7 +16,7 @@ from pretrain.errors import ConfigError, DataError
 from pretrain.resilience.fast_exit import leave_now, under_launcher
 from pretrain.resilience.standby.client import forward
 from tiering.cli import configure_logging
-from tiering.errors import LeaseError
+from tiering.errors import LeaseError, RunKeyError
 
 # Each verb imports what it needs when it runs: torch and Megatron take seconds to import, and
 # `pretrain status`, `plan` or a config error must not wait for them.
@@ -451,7 +451,7 @@ def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataError, LeaseError) as exc:
+    except (ConfigError, DataError, LeaseError, RunKeyError) as exc:
         one = _one_line(exc)
         assert one is not None
         print(one[0], file=sys.stderr)
@@ -467,4 +467,6 @@ def _one_line(exc: BaseException) -> tuple[str, int] | None:
         return f"data error: {exc}", 1
     if isinstance(exc, LeaseError):
         return f"lease error: {exc}", 2
+    if isinstance(exc, RunKeyError):
+        return f"run key error: {exc}", 2
     return None

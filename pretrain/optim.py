@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from pretrain.config import Config, OptimizerConfig, ParallelConfig
+from pretrain.platform.compat import MEM_EFFICIENT_KEY, fully_reshardable_mem_efficient
 
 
 class TrainOptimizer(Protocol):
@@ -171,14 +172,11 @@ class MegatronDistributedOptimizer:
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, kind: str, is_loading: bool = False) -> dict:
-        # Megatron refuses fully_reshardable for non-persistent local saves: local saves use the
-        # fast DP-reshardable layout, reshardable (durable) saves the fully reshardable one.
-        sharding = "fully_reshardable" if kind == "reshardable" else "dp_reshardable"
+        gloo = all(getattr(part, "data_parallel_group_gloo", None) is not None for part in self._parts())
+        metadata = sharding_metadata(kind, fully_reshardable_mem_efficient() and gloo)
         if is_loading:
             self._allocate_state_for_load()
-        return self.opt.sharded_state_dict(
-            model_sharded_state_dict, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding}
-        )
+        return self.opt.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state)
@@ -220,6 +218,21 @@ class MegatronDistributedOptimizer:
         for part in self._parts():
             if len(part.optimizer.state) == 0:
                 part.load_state_dict(step_zero_state_dict(part.optimizer))
+
+
+def sharding_metadata(kind: str, mem_efficient: bool) -> dict[str, Any]:
+    """Megatron's metadata for the optimizer's sharded state. Megatron refuses fully_reshardable
+    for non-persistent local saves: tier 1 uses the fast DP-reshardable layout, reshardable
+    (durable) saves the fully reshardable one, with the memory-efficient gather where
+    ``mem_efficient`` (the installed Megatron offers it and the optimizer has its gloo DP group):
+    the fp32 state gathers to DP rank 0 over gloo, not to every DP rank's GPU and host over NCCL
+    (~44 GB of host memory per rank at 70B TP8 PP4; issue 45 #4). Loads read either layout."""
+    if kind != "reshardable":
+        return {"distrib_optim_sharding_type": "dp_reshardable"}
+    metadata: dict[str, Any] = {"distrib_optim_sharding_type": "fully_reshardable"}
+    if mem_efficient:
+        metadata[MEM_EFFICIENT_KEY] = True
+    return metadata
 
 
 def mark_padding(param_state: dict) -> dict:

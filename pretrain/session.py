@@ -7,8 +7,10 @@ restored here (:meth:`pretrain.checkpointing.manager.CheckpointManager.restore` 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +51,20 @@ class Session:
     runlog: RunLog
     monitor: RankMonitor
     phases: PhaseRecord | None = None
+    sync_weights: Callable[[], None] | None = None  # see weight_sync: before any tier snapshots the weights
 
 
-# Control-plane collectives (attempt ids, save statuses, restore agreement, an S3 step rank 0
-# fetched) may wait as long as a restore's slowest part: NVRx's setup section (30 min in
-# configs/ft-h100.yaml), not NCCL's 10 min.
+# Control-plane collectives (attempt ids, save statuses, restore agreement, the agreement after
+# each rank fetched its share of an S3 step) may wait as long as a restore's slowest part: NVRx's
+# setup section (30 min in configs/ft-h100.yaml), not NCCL's 10 min.
 CONTROL_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def control_collective() -> TorchCollective:
     """Collective. The control plane's collectives on gloo: on a NCCL default group each
-    ``all_gather_object`` is two NCCL all-gathers plus device-to-host syncs, and a wait behind rank
-    0's S3 download would meet the NCCL watchdog at 10 min. On CPU the default group is gloo already."""
+    ``all_gather_object`` is two NCCL all-gathers plus device-to-host syncs, and a wait for the
+    slowest rank's share of an S3 download would meet the NCCL watchdog at 10 min. On CPU the
+    default group is gloo already."""
     if dist.get_backend() == "gloo":
         return TorchCollective()
     return TorchCollective(dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
@@ -82,16 +86,29 @@ def _init_model_parallel(cfg: Config) -> None:
 
 def ddp_config(parallel: ParallelConfig, cuda: bool) -> DistributedDataParallelConfig:
     """On CUDA the gradient reduce-scatter overlaps the backward in buckets (Megatron's default
-    bucket: max(40M, 1M x DP) elements); on CPU one bucket after the backward (the bit-exact tests'
-    order). The parameter all-gather is not overlapped: its forward pre-hook would all-gather into
-    the parameter buffer while a tier's snapshot of the step reads it (stale weights but the local
-    shard) until the snapshot is taken after ``finish_param_sync`` or the weights are not saved."""
+    bucket: max(40M, 1M x DP) elements) and, with the distributed optimizer, the parameter
+    all-gather overlaps the next forward (its pre-hooks gather each bucket as it is needed; a tier
+    snapshots the weights only after :func:`weight_sync` made them current); on CPU one bucket
+    after the backward and the gather inside the optimizer step (the bit-exact tests' order)."""
+    distributed = uses_distributed_optimizer(parallel)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cuda,
-        overlap_param_gather=False,
-        use_distributed_optimizer=uses_distributed_optimizer(parallel),
+        overlap_param_gather=cuda and distributed,  # Megatron: only with the distributed optimizer
+        use_distributed_optimizer=distributed,
     )
+
+
+def weight_sync(ddp: DistributedDataParallel) -> Callable[[], None] | None:
+    """What makes the model's weights current before a tier snapshots them (issue 45 #16). With the
+    parameter all-gather overlapped, the optimizer step updates each rank's shard only and the next
+    forward's pre-hooks gather the rest: a snapshot then would hold stale weights but the local
+    shard. This forces that gather now, synchronously (as Megatron's trainer does before its saves,
+    ``disable_forward_pre_hook``); the next forward finds it done and gathers nothing again. None
+    without the overlap: the optimizer step gathered already."""
+    if not ddp.ddp_config.overlap_param_gather:
+        return None
+    return functools.partial(ddp.start_param_sync, force_sync=True)
 
 
 def _wrap_ddp(parallel: ParallelConfig, tconfig: TransformerConfig, model: nn.Module) -> DistributedDataParallel:
@@ -159,4 +176,6 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
     if monitor.wedged:
         runlog.event("rank_monitor_wedged", force=True, rank=rank, host=os.uname().nodename)
     tiers = TieredCheckpointer(cfg, coll, attempt, state.topology, record_event=runlog.event, phases=phases)
-    return Session(cfg, rank, world, attempt, ddp, dataset, valid, state, tiers, runlog, monitor, phases)
+    return Session(
+        cfg, rank, world, attempt, ddp, dataset, valid, state, tiers, runlog, monitor, phases, weight_sync(ddp)
+    )

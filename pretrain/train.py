@@ -85,6 +85,28 @@ def _check_host_memory(cfg: Config, world: int, cuda: bool) -> None:
         raise ConfigError(refusal)
 
 
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def gloo_lazy_init(environ: dict[str, str] | os._Environ[str], cuda: bool, inprocess: bool) -> bool:
+    """Whether the world-size gloo groups beside NCCL (control plane, replication, tier 0's peer
+    stream) connect pairs at first use: set on CUDA, where each rank talks to a few peers and a full
+    mesh costs ~4,000 sockets a rank at 2,000 ranks ("Too many open files"); torch >= 2.7 reads it.
+    Not with NVRx's in-process restart: its abort and re-creation of groups with lazy gloo
+    connections aborted gloo in 2 of 7 measured runs (issue 45 #13). A launcher's value is kept,
+    with a warning where it asks for lazy connections under in-process restart."""
+    if cuda and not inprocess:
+        environ.setdefault(GLOO_LAZY_INIT, "1")
+    lazy = environ.get(GLOO_LAZY_INIT, "0") not in ("", "0")
+    if lazy and inprocess:
+        log.warning(
+            "%s=%s set by the launcher with in-process restart on (gloo aborted in 2 of 7 such runs); "
+            "fix: unset it, or set fault_tolerance.inprocess.enabled: false",
+            GLOO_LAZY_INIT, environ[GLOO_LAZY_INIT],
+        )  # fmt: skip
+    return lazy
+
+
 def train(cfg: Config) -> RunSummary:
     """Run (or resume) training to ``train.steps``. Must run under torchrun/ft_launcher (or 1 rank)."""
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
@@ -100,11 +122,7 @@ def train(cfg: Config) -> RunSummary:
     _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg)  # the node's agent reads the pulse from outside
     phases.enter("startup")
     device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
-    if cuda:
-        # The gloo groups beside NCCL (control plane, replication, tier 0's peer stream) span the
-        # world but each rank talks to a few peers: connect pairs at first use, not a full mesh
-        # (~4,000 sockets a rank at 2,000 ranks; "Too many open files"). torch >= 2.7 reads it.
-        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    gloo_lazy_init(os.environ, cuda, cfg.fault_tolerance.inprocess.enabled)
     if device is not None:  # a dead rank (held by the kernel) or its writer may still hold this GPU
         reclaim = wait_for_device_memory(TorchDeviceMemory(device), cfg.fault_tolerance.gpu_memory_reclaim_timeout)
         if not reclaim.freed or reclaim.waited_s > 1.0:
@@ -181,7 +199,9 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     report = SaveReport(
         session.tiers, session.runlog, ctx.metrics, ctx.records, rank, cfg.checkpoint.on_save_error == "stop"
     )
-    checkpointer = CheckpointManager(cfg, session.tiers, session.state, report, session.monitor, ctx.watch, ctx.phases)
+    checkpointer = CheckpointManager(
+        cfg, session.tiers, session.state, report, session.monitor, ctx.watch, ctx.phases, session.sync_weights
+    )
     ctx.on_abort.append(checkpointer.abandon)
     restored = _restore(session, ctx, checkpointer)
     ctx.metrics.tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length

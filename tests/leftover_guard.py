@@ -52,6 +52,8 @@ SERVICE_GROUPS = {
     "tests/test_prepare_slurm.py": "slurm",
     "tests/test_s3_tier.py": "s3",
     "tests/test_s3_identity.py": "s3",
+    "tests/test_signed_manifests.py": "s3",
+    "tests/test_s3_gc_trust.py": "s3",
     "tests/test_chunked_digests.py": "s3",
     "tests/test_cluster_s3_throttle.py": "s3",
     "tests/test_soak_store.py": "s3",

@@ -47,9 +47,9 @@ from tests.helpers import (
 from tiering.collective import SingleProcess
 from tiering.digest import HashSpec
 from tiering.errors import PublishError
+from tiering.local.posix import primary_store
 from tiering.manifest import Manifest
 from tiering.memory.slot_store import SlotStore
-from tiering.peer.replication import primary_store
 from tiering.verify import verify_step
 
 RUN = "t"

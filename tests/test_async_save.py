@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, copy_tensors
+from pretrain.checkpointing.dp_slices import SPLIT_KEY
 from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
 from tiering.digest import hash_file
@@ -83,11 +84,11 @@ def test_background_and_synchronous_saves_hold_identical_state(
                 )
                 for n in ("sync", mode)
             )
-            assert a["model"].keys() == b["model"].keys()
-            for key, tensor in a["model"].items():
-                other = b["model"][key]
-                same = torch.equal(tensor, other) if isinstance(tensor, torch.Tensor) else tensor == other
-                assert same, (rank, step, key)
+            am, bm = a[SPLIT_KEY], b[SPLIT_KEY]  # DP 2: each rank's half of the weights (issue 45 #10)
+            assert am["layout"] == bm["layout"] and am["other"] == bm["other"] and am["dp_rank"] == bm["dp_rank"]
+            assert am["buffers"].keys() == bm["buffers"].keys()
+            for name, tensor in am["buffers"].items():
+                assert torch.equal(tensor, bm["buffers"][name]), (rank, step, name)
             assert a["trainer"]["step"] == b["trainer"]["step"] == step
     # The reshardable (promotion staging) tier saves in the background too (Megatron's forked
     # writer): its shards and per-rank files are byte-identical to the synchronous run's.

@@ -152,7 +152,7 @@ def test_manifest_roundtrip_matches_files(ckpt: Path) -> None:
     manifest = Manifest.from_json((ckpt / STEP30 / "manifest.json").read_bytes(), "m")
     listed = {f.path for f in manifest.files}
     on_disk = {p.relative_to(ckpt / STEP30).as_posix() for p in (ckpt / STEP30).rglob("*") if p.is_file()}
-    assert on_disk - listed == {"manifest.json", "COMMITTED"}
+    assert on_disk - listed == {"manifest.json", "COMMITTED", "SIGNATURE"}  # the three bind each other
     assert {"trainer.pt", "rank-state/rank-00000.pt", "rank-state/rank-00001.pt", "model/metadata.json"} <= listed
     assert manifest.world_size == 2 and manifest.parallelism == {"tp": 1, "pp": 1, "dp": 2}
     assert manifest.dataset_snapshot.startswith("sha256:") and manifest.framework["megatron-core"]
@@ -162,6 +162,9 @@ def test_manifest_roundtrip_matches_files(ckpt: Path) -> None:
 def test_trainer_skips_corrupt_newest_step_and_resumes_from_older(trained: Path, tmp_path: Path, corpus: Path) -> None:
     job = tmp_path / "job"
     copy_tree(trained, job / "reshard")
+    # The steps are signed with the run's key: the copied run keeps its key, as a moved run would.
+    (job / "runs" / "t").mkdir(parents=True)
+    shutil.copy2(trained.parent / "runs" / "t" / "run.key", job / "runs" / "t" / "run.key")
     flip_byte(job / "reshard" / STEP30 / "model" / "__0_1.distcp")
     torchrun(
         job,

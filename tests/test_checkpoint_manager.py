@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,7 +166,11 @@ class SectionLog(RankMonitor):
 
 
 def _manager(
-    tmp: Path, tiers: Tiers, *settings: str, monitor: type[RankMonitor] = RankMonitor
+    tmp: Path,
+    tiers: Tiers,
+    *settings: str,
+    monitor: type[RankMonitor] = RankMonitor,
+    sync_weights: Callable[[], None] | None = None,
 ) -> tuple[CheckpointManager, State, PreemptionWatch]:
     cfg = load_config(None, [f"train.steps={tiers.steps}", "fault_tolerance.enabled=false", *settings])
     records = AttemptLog(tmp, enabled=True)
@@ -174,7 +179,15 @@ def _manager(
     report = SaveReport(tiers, runlog, TrainingMetrics("t"), records, 0, cfg.checkpoint.on_save_error == "stop")
     watch = PreemptionWatch([signal.SIGUSR2], timeout_s=5.0, on_deadline=lambda name: None)
     state = State()
-    manager = CheckpointManager(cfg, tiers, state, report, monitor(cfg.fault_tolerance), watch)  # type: ignore[arg-type]
+    manager = CheckpointManager(
+        cfg,
+        tiers,
+        state,
+        report,
+        monitor(cfg.fault_tolerance),
+        watch,
+        sync_weights=sync_weights,  # type: ignore[arg-type]
+    )
     return manager, state, watch
 
 
@@ -270,6 +283,41 @@ def test_a_preemption_publishes_an_emergency_tier1_step_within_the_deadline_and_
     assert "emergency save of step 14 published" in left.value.message
     (event,) = _events(tmp_path, "preempted")
     assert event["published"] is True and event["step"] == 14
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_weights_are_synced_before_every_snapshot_and_at_no_other_step(tmp_path: Path, background: bool) -> None:
+    """Issue 45 #16: with the parameter all-gather overlapped (CUDA), the manager forces the pending
+    gather once before the tiers due at a step snapshot (tier 0 every 3rd step here, tier 1 every
+    4th, the reshardable tier every 10th) and before the emergency save; a step without a save due
+    gathers nothing (the next forward's pre-hooks do, overlapped)."""
+    order: list[tuple[str, int]] = []
+    memory = ScriptedTier("memory", 3, within_step=True)
+    local, staging = ScriptedTier("local", 4), ScriptedTier("reshardable", 10)
+    memory.calls = local.calls = staging.calls = order  # one record, in the order things happened
+    tiers = Tiers(local, staging, steps=100, memory=memory)
+    state_box: list[State] = []
+    manager, state, watch = _manager(
+        tmp_path,
+        tiers,
+        f"checkpoint.async.enabled={background}",
+        sync_weights=lambda: order.append(("sync", state_box[0].step)),
+    )
+    state_box.append(state)
+    _train(manager, state, range(1, 22))
+    snapshots = [(c, s) for c, s in order if c in ("save", "start")]
+    due = sorted({s for _, s in snapshots})
+    assert due == [3, 4, 6, 8, 9, 10, 12, 15, 16, 18, 20, 21]
+    assert [s for c, s in order if c == "sync"] == due  # once per step with a save due, never otherwise
+    for step in due:
+        first = next(i for i, (c, s) in enumerate(order) if s == step and c in ("save", "start"))
+        assert order[first - 1] == ("sync", step), order
+    signal.raise_signal(signal.SIGUSR2)
+    assert watch.requested
+    state.step = 22  # no tier due: only the emergency tier-1 save snapshots, after a sync
+    with pytest.raises(PreemptedError):
+        manager.after_step(22, leaving=True)
+    assert order[-2:] == [("sync", 22), ("save", 22)]
 
 
 def test_an_emergency_save_that_fails_leaves_without_a_step_and_says_so(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ from tiering.digest import (
 )
 from tiering.errors import ReplicaRejected, VerificationError
 from tiering.layout import RunLayout
+from tiering.local.posix import primary_store, replica_store
 from tiering.manifest import MANIFEST_NAME, Manifest
-from tiering.peer.replication import primary_store, replica_store
 from tiering.peer.restore import PeerRecovery
 from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport

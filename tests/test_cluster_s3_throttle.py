@@ -20,7 +20,7 @@ import pytest
 from tests.cluster.netns import Cluster, unavailable
 from tests.cluster.s3proxy import FaultProxy
 from tests.helpers import PYTHON, REPO
-from tests.test_s3_tier import make_step
+from tests.test_s3_tier import make_step, run_key_file  # noqa: F401 (the run key fixture: autouse)
 from tiering.digest import hash_bytes
 from tiering.manifest import Manifest
 

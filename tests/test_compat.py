@@ -1,6 +1,7 @@
 """pretrain/platform/compat.py on the installed megatron-core (0.16.1 here; the newest release is checked on
 the GPU machine by scripts/gpu-check.sh): the background dist-checkpoint save runs on Megatron's
-own queue, and the writer's Manager starts through whichever getter the version has."""
+own queue, the writer's Manager starts through whichever getter the version has, and the
+memory-efficient fully-reshardable gather is used where the installed code reads its flag."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import pytest
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from pretrain.optim import sharding_metadata
 from pretrain.platform.compat import (
+    MEM_EFFICIENT_KEY,
     accepts_keyword,
     async_save_kwargs,
+    fully_reshardable_mem_efficient,
     megatron_core_version,
     reset_write_results_queue,
     warm_write_results_queue,
@@ -67,3 +71,43 @@ def test_the_writer_manager_starts_once() -> None:
         if first is not None:
             first._manager.shutdown()
         reset_write_results_queue()
+
+
+class _NoMemEfficient:
+    """A DistributedOptimizer before the flag: its fully-reshardable state reads the sharding type only."""
+
+    def sharded_param_state_fully_reshardable(self, model_sd: dict, is_loading: bool = False, metadata: dict = None):  # noqa: ANN201, RUF013
+        return metadata.get("distrib_optim_sharding_type")
+
+    def get_parameter_state_dp_zero(self, use_gloo_comm: bool = True, empty_data: bool = False):  # noqa: ANN201
+        return None
+
+
+class _FlagWithoutDpZeroOnly(_NoMemEfficient):
+    """Reads the flag, but its gather cannot return on DP rank 0 alone."""
+
+    def sharded_param_state_fully_reshardable(self, model_sd: dict, is_loading: bool = False, metadata: dict = None):  # noqa: ANN201, RUF013
+        return metadata.get("distrib_optim_fully_reshardable_mem_efficient", False)
+
+
+def test_the_mem_efficient_gather_is_found_by_feature_in_the_installed_megatron() -> None:
+    """Issue 45 #4: megatron-core 0.16.1 (here) and 0.19 both read the flag (read in their sources);
+    detection reads the installed code, never the version string."""
+    assert fully_reshardable_mem_efficient(), f"megatron-core {megatron_core_version()} reads {MEM_EFFICIENT_KEY}"
+    assert not fully_reshardable_mem_efficient(_NoMemEfficient)
+    assert not fully_reshardable_mem_efficient(_FlagWithoutDpZeroOnly)
+
+
+@pytest.mark.parametrize(
+    ("kind", "mem_efficient", "expected"),
+    [
+        ("reshardable", True, {"distrib_optim_sharding_type": "fully_reshardable", MEM_EFFICIENT_KEY: True}),
+        ("reshardable", False, {"distrib_optim_sharding_type": "fully_reshardable"}),
+        ("local", True, {"distrib_optim_sharding_type": "dp_reshardable"}),  # tier 1: no gather at all
+        ("local", False, {"distrib_optim_sharding_type": "dp_reshardable"}),
+    ],
+)
+def test_reshardable_saves_ask_for_the_mem_efficient_gather_where_offered(
+    kind: str, mem_efficient: bool, expected: dict
+) -> None:
+    assert sharding_metadata(kind, mem_efficient) == expected

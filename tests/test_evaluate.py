@@ -48,6 +48,7 @@ def test_the_same_loss_at_any_topology(tmp_path: Path, corpus: Path) -> None:
     # Tier 3: promoted by the uploader, downloaded and verified by evaluate, the same loss.
     store = f"file://{tmp_path / 's3'}"
     up = [PYTHON, "-m", "tiering", "upload", store, "--run-id", "t", "--staging-dir", str(train / "reshard"), "--once"]
+    up += ["--run-key-file", str(train / "runs" / "t" / "run.key")]  # the job's key: its steps are signed with it
     subprocess.run(up, check=True, capture_output=True, timeout=120, env=job_env(ev))
     remote = _result(_evaluate(ev, 1, store, overrides_for(ev, corpus, **common)))
     assert (remote["kind"], remote["step"]) == ("s3", 20)

@@ -1,15 +1,19 @@
 """In-process restart's timeouts and NCCL settings in NVRx's order (issue 45, finding 2): on NCCL
 the groups' timeout outlasts the Wrapper's hard timeout (NVRx: a watchdog that fires first
 terminates the process, so no in-process restart happens), gloo's stays below it; the NCCL
-variables NVRx's usage guide asks for are set unless the launcher set them."""
+variables NVRx's usage guide asks for are set unless the launcher set them. Lazy gloo connections
+(issue 45 #13) only where in-process restart is off."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from pretrain.resilience.inprocess import NCCL_ENV, apply_nccl_env
+from pretrain.train import GLOO_LAZY_INIT, gloo_lazy_init
 from tests.helpers import TINY
 
 ON = "fault_tolerance.inprocess.enabled=true"
@@ -56,3 +60,28 @@ def test_a_launcher_setting_wins_and_is_reported() -> None:
     applied = apply_nccl_env(environ)
     assert applied == {"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "1"}
     assert applied != NCCL_ENV
+
+
+@pytest.mark.parametrize(
+    ("cuda", "inprocess", "lazy"),
+    [
+        (True, False, True),  # NCCL without in-process restart: pairs connect at first use
+        (True, True, False),  # under NVRx's Wrapper: full mesh (lazy gloo aborted in 2 of 7 runs)
+        (False, False, False),  # CPU: the default group is gloo already, left as torch makes it
+        (False, True, False),
+    ],
+)
+def test_gloo_connects_lazily_on_cuda_only_without_inprocess_restart(cuda: bool, inprocess: bool, lazy: bool) -> None:
+    environ: dict[str, str] = {"PATH": "/bin"}
+    assert gloo_lazy_init(environ, cuda, inprocess) is lazy
+    assert environ == ({"PATH": "/bin", GLOO_LAZY_INIT: "1"} if lazy else {"PATH": "/bin"})
+
+
+def test_a_launchers_lazy_gloo_under_inprocess_restart_is_kept_and_warned(caplog: pytest.LogCaptureFixture) -> None:
+    environ = {GLOO_LAZY_INIT: "1"}
+    with caplog.at_level(logging.WARNING, logger="pretrain"):
+        assert gloo_lazy_init(environ, cuda=True, inprocess=True) is True
+    assert environ == {GLOO_LAZY_INIT: "1"}
+    assert any(GLOO_LAZY_INIT in r.getMessage() and "fix:" in r.getMessage() for r in caplog.records)
+    environ = {GLOO_LAZY_INIT: "0"}
+    assert gloo_lazy_init(environ, cuda=True, inprocess=False) is False and environ == {GLOO_LAZY_INIT: "0"}

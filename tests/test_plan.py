@@ -146,12 +146,12 @@ def test_a_plain_gpt_count_is_the_standard_formula_and_the_8b_config_is_llama3_8
     assert size.params - biases == LLAMA3_8B
     assert (size.tp, size.pp, size.dp, size.distributed_optimizer) == (2, 2, 8, True)
     # the heaviest stage per TP rank (the last: 16 layers, the final norm and the untied output
-    # layer, one norm more than the first's embeddings); bf16 weights + fp32 master and Adam m, v
-    # divided over the 8 data-parallel ranks
+    # layer, one norm more than the first's embeddings); bf16 weights (each DP rank saves its
+    # slice) + fp32 master and Adam m, v, each divided over the 8 data-parallel ranks
     layer = 4096 * (4096 + 2048) + 6144 + 4096 * 4096 + 4096 * 28672 + 28672 + 14336 * 4096
     per_rank = 16 * (layer // 2 + 2 * 4096 + 2 * 4096) + 4096 + 128256 * 4096 // 2
     assert size.params_per_rank == per_rank
-    assert size.state_bytes_per_rank == per_rank * 2 + per_rank * 12 // 8
+    assert size.state_bytes_per_rank == per_rank * 2 // 8 + per_rank * 12 // 8
 
 
 def test_tier0_ram_and_interval_keep_the_cost_within_the_budget() -> None:

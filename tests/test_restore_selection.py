@@ -29,8 +29,8 @@ from pretrain.optim import CpuAdamW, build_scheduler
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError
 from tiering.layout import RunLayout
+from tiering.local.posix import replica_store
 from tiering.manifest import COMMITTED_NAME
-from tiering.peer.replication import replica_store
 from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport
 from tiering.remote.tier import RemoteTier

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.checkpointing.dp_slices import SPLIT_KEY
 from tests.helpers import events, ft_launch, full_tensors, kill_rank_at, metrics_by_step, overrides_for, torchrun
 
 pytestmark = pytest.mark.slow
@@ -46,6 +47,12 @@ def test_sigkill_at_step_37_resumes_bit_exact(tmp_path: Path, corpus: Path) -> N
     assert any(k.startswith("optimizer.state.exp_avg.") for k in final_b)
     for key in final_b:
         assert torch.equal(final_b[key], final_r[key]), f"final {key} differs"
+    # Issue 45 #10: at DP 2 each rank's tier-1 steps (the restored one was one) hold half of the weights.
+    shares = [
+        torch.load(p, weights_only=True, mmap=True) for p in sorted(crash.glob("ckpt/t/ranks/*/steps/*/state.pt"))
+    ]
+    assert len(shares) >= 2 and all("model" not in s and s[SPLIT_KEY]["dp"] == 2 for s in shares)
+    assert sorted({s[SPLIT_KEY]["dp_rank"] for s in shares}) == [0, 1]
 
 
 def test_hung_rank_is_detected_by_heartbeats_and_the_group_restarts(tmp_path: Path, corpus: Path) -> None:

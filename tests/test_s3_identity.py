@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import RGW_SECRET
 from tests.helpers import PYTHON, REPO
-from tests.test_s3_tier import RUN, make_step
+from tests.test_s3_tier import RUN, make_step, run_key_file  # noqa: F401 (the run key fixture: autouse)
 from tiering.errors import AccessDenied, LeaseError
 from tiering.layout import RunLayout
 from tiering.remote.objectstore import open_store

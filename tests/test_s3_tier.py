@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -12,25 +14,52 @@ import pytest
 import torch
 
 from tests.cluster.s3proxy import FaultProxy
-from tests.helpers import PYTHON, events, free_port, full_tensors, overrides_for, probe_restore, read_jsonl, torchrun
-from tiering.collective import SingleProcess
+from tests.helpers import (
+    PYTHON,
+    events,
+    free_port,
+    full_tensors,
+    overrides_for,
+    probe_restore,
+    read_jsonl,
+    torchrun,
+    two_gloo_ranks,
+)
+from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
 from tiering.layout import RunLayout
 from tiering.manifest import MANIFEST_NAME
+from tiering.peer.run_key import ENV_VAR, RunKey
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.remote import gc as remote_gc
+from tiering.remote.download import share_of
 from tiering.remote.objectstore import PreconditionFailed, open_store
 from tiering.remote.tier import RemoteTier
+from tiering.signature import ManifestSigner
 from tiering.verify import committed_marker, verify_step
 
 RUN = "t"
+KEY_SECRET = bytes(range(32))  # this module's run key: staging and S3 steps are signed with it
+SIGNER = ManifestSigner(RunKey(KEY_SECRET))
+
+
+@pytest.fixture(autouse=True)
+def run_key_file(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The run key as the uploader and ``tiering restore`` read it (PRETRAIN_RUN_KEY_FILE, 0600);
+    modules that import this fixture get it too."""
+    path = tmp_path_factory.mktemp("key") / "run.key"
+    path.touch(mode=0o600)
+    path.write_bytes(KEY_SECRET)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    return path
 
 
 def make_step(root: Path, step: int, size: int = 300_000, shards: int = 2) -> Path:
-    """A real published staging step with random shards (no training needed)."""
+    """A real published staging step with random shards (no training needed), signed and blake3
+    as the reshardable tier writes it."""
     layout = RunLayout(root, RUN)
-    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}")
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH), SIGNER)
     tmp = pub.begin(step)
     (tmp / "model").mkdir()
     for i in range(shards):
@@ -42,7 +71,7 @@ def make_step(root: Path, step: int, size: int = 300_000, shards: int = 2) -> Pa
 
 def _remote(uri: str, endpoint: str | None) -> RemoteTier:
     store, prefix = open_store(uri, endpoint, chunk_mb=5)
-    return RemoteTier(store, prefix, RUN)
+    return RemoteTier(store, prefix, RUN, signer=SIGNER, expect_hash=PORTABLE_HASH)
 
 
 def _tiering(
@@ -89,7 +118,7 @@ def test_ranged_reads_arrive_in_pieces_and_stop_at_the_object_end(remote_uri: tu
 def _chunked_step(staging: Path, step: int, size: int) -> Path:
     """A published step whose one data file has many BLAKE3 chunks (one ranged GET each)."""
     layout = RunLayout(staging, RUN)
-    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH, 256 * 1024, 2))
+    pub = PosixStepPublisher(layout, SingleProcess(), f"a{step}", HashSpec(PORTABLE_HASH, 256 * 1024, 2), SIGNER)
     tmp = pub.begin(step)
     (tmp / "model").mkdir()
     (tmp / "model" / "__0_0.distcp").write_bytes(os.urandom(size))
@@ -169,6 +198,59 @@ def test_upload_then_restore_verifies_every_byte(remote_uri: tuple[str, str | No
         assert (back / rel).read_bytes() == (staging / RUN / "steps" / "step-000000020" / rel).read_bytes()
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _restore_shared(uri: str, endpoint: str, back: str, rank: int, _out: Path) -> dict:
+    """One rank of a restore into a directory both ranks share: what it fetched, what it restored."""
+    lines = _Lines()
+    logging.getLogger("tiering.remote.download").addHandler(lines)
+    logging.getLogger("tiering.remote.download").setLevel(logging.INFO)
+    remote = RemoteTier.open(uri, RUN, endpoint_url=endpoint)
+    step, rejected = remote.restore_newest(RunLayout(Path(back), RUN), f"r{rank}", coll=TorchCollective())
+    fetched = [line for line in lines.lines if f"rank {rank} fetched" in line]
+    return {"step": step, "rejected": [r for _, r in rejected], "fetched": fetched}
+
+
+def test_every_rank_fetches_a_share_of_an_s3_step_and_a_bad_share_fails_it_on_all(
+    s3_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """Issue 45 #15: two ranks restore from the RGW into one shared directory; each fetches and
+    checks its share of the files (none waits alone behind the other's download) and the published
+    step is bit-equal to what was uploaded. A corrupted object in rank 1's share rejects that step on
+    both ranks alike, and both fall back to the older step together."""
+    staging = tmp_path / "staging"
+    remote = RemoteTier.open(f"s3://{bucket}/ckpt", RUN, endpoint_url=s3_endpoint)
+    remote.acquire_lease("me")
+    for step in (10, 20):
+        remote.upload_step(make_step(staging, step, size=400_000, shards=4))
+    uri, back = f"s3://{bucket}/ckpt", tmp_path / "back"
+    rows = two_gloo_ranks(functools.partial(_restore_shared, uri, s3_endpoint, str(back)), tmp_path / "ranks")
+    assert [r["step"] for r in rows] == [20, 20] and [r["rejected"] for r in rows] == [[], []]
+    counts = [int(r["fetched"][0].split("fetched ")[1].split(" of ")[0]) for r in rows]
+    assert all(n > 0 for n in counts) and sum(counts) == 5, rows  # 4 shards + trainer.pt, each fetched once
+    src, got = staging / RUN / "steps" / "step-000000020", back / RUN / "steps" / "step-000000020"
+    verify_step(got, expect_run_id=RUN)
+    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(got) for p in got.rglob("*") if p.is_file())
+    assert all((src / rel).read_bytes() == (got / rel).read_bytes() for rel in files)
+
+    manifest, _ = remote.read_manifest(20)
+    victim = share_of(manifest.files, 1, 2)[0]
+    _corrupt_remote(remote, 20, victim.path, os.urandom(victim.bytes))
+    again = tmp_path / "again"
+    rows = two_gloo_ranks(functools.partial(_restore_shared, uri, s3_endpoint, str(again)), tmp_path / "ranks2")
+    assert [r["step"] for r in rows] == [10, 10], rows
+    assert all(len(r["rejected"]) == 1 and victim.path in r["rejected"][0] for r in rows), rows
+    assert not (again / RUN / "steps" / "step-000000020").exists()
+
+
 def _corrupt_remote(remote: RemoteTier, step: int, rel: str, data: bytes) -> None:
     remote.store.put_bytes(remote.step_key(step, rel), data)
 
@@ -205,6 +287,7 @@ def test_bad_remote_steps_are_skipped(remote_uri: tuple[str, str | None], tmp_pa
         new = json.dumps(body).encode()
         remote.store.put_bytes(remote.step_key(20, MANIFEST_NAME), new)
         remote.store.put_bytes(remote.step_key(20, "COMMITTED"), committed_marker(20, new))
+        remote.store.put_bytes(remote.step_key(20, "SIGNATURE"), SIGNER.sign(new))  # a writer with the key
     else:
         remote.store.put_bytes(remote.key("latest.json"), b'{"step": 999, "path": "steps/step-000000999"}')
         expect = 20

@@ -23,7 +23,14 @@ from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.resilience.phases import ranks_in_phase
 from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.beside import start_server
-from pretrain.resilience.standby.server import cuda_driver_loaded, fork_hazard
+from pretrain.resilience.standby.server import (
+    NVML_SUCCESS,
+    cuda_driver_loaded,
+    fork_hazard,
+    nvml_library,
+    open_device_files,
+    shut_nvml_down,
+)
 from pretrain.resilience.standby.wire import ENV
 from pretrain.soak.storage import GatedMount  # its daemon needs fusepy; the module does not
 from tests.helpers import FT_CPU, PYTHON, REPO, TINY, job_env, overrides_for
@@ -252,6 +259,41 @@ def test_a_server_that_initialised_the_cuda_driver_is_unsafe_to_fork_and_one_tha
     assert "CUDA" not in (fork_hazard(gpu_maps, driver_initialised=lambda: False) or "")
     assert "CUDA" not in (fork_hazard(cpu_maps, driver_initialised=lambda: True) or "")  # no driver mapped
     assert "CUDA" not in (fork_hazard() or ""), "this CPU machine's pytest has no CUDA driver loaded"
+
+
+class _CountedNvml:
+    """NVML's reference counting as its API documents it: ``nvmlInit`` adds one, ``nvmlShutdown``
+    drops one (success) or answers NVML_ERROR_UNINITIALIZED (1) at none. No NVML on this machine."""
+
+    def __init__(self, inits: int) -> None:
+        self.refs = inits
+        self.calls = 0
+
+    def nvmlShutdown(self) -> int:  # noqa: N802 - NVML's name
+        self.calls += 1
+        if self.refs == 0:
+            return 1
+        self.refs -= 1
+        return NVML_SUCCESS
+
+
+def test_the_server_shuts_nvml_down_before_forking_and_says_what_device_files_it_holds(tmp_path: Path) -> None:
+    """Issue 45 #21: torch's NVML-based CUDA check calls nvmlInit and never shuts NVML down; the
+    server drops every reference (NVML closes /dev/nvidia* at the last) before its first fork. The
+    library is looked for only where it is mapped (this CPU machine has none: nothing is called)."""
+    nvml = _CountedNvml(inits=3)
+    assert shut_nvml_down(nvml) == 3 and nvml.refs == 0 and nvml.calls == 4
+    assert shut_nvml_down(_CountedNvml(inits=0)) == 0 and shut_nvml_down(None) == 0
+    assert nvml_library("7f1c2b000000-7f1c2b100000 r-xp 00000000 08:01 1235 /usr/lib/libcudart.so.12\n") is None
+    assert nvml_library() is None, "no NVML mapped in this CPU machine's pytest"
+    held = tmp_path / "nvidiactl"
+    held.write_bytes(b"")
+    fd = os.open(held, os.O_RDONLY)  # a real open descriptor, as NVML's of /dev/nvidiactl would be
+    try:
+        assert open_device_files(str(tmp_path)) == [str(held)]
+    finally:
+        os.close(fd)
+    assert open_device_files(str(tmp_path)) == [] and open_device_files("/dev/nvidia") == []
 
 
 def test_the_preload_makes_torch_compile_lazy_and_finds_the_straggler_package_at_either_path() -> None:

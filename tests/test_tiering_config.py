@@ -10,30 +10,52 @@ import subprocess
 from pathlib import Path
 
 from tests.helpers import PYTHON, TINY
-from tests.test_publish import _publish
+from tiering.collective import SingleProcess
+from tiering.digest import PORTABLE_HASH, HashSpec
+from tiering.layout import RunLayout
+from tiering.peer.run_key import load_or_create
+from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.remote.tier import RemoteTier
+from tiering.signature import SIGNATURE_NAME, ManifestSigner
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PYTHON, "-m", module, *args], capture_output=True, text=True, timeout=120)
 
 
+def _publish(staging: Path, step: int, signer: ManifestSigner | None) -> Path:
+    """A staging step as the trainer writes it (blake3, signed with ``signer``)."""
+    layout = RunLayout(staging, "run")
+    pub = PosixStepPublisher(layout, SingleProcess(), "a1", HashSpec(PORTABLE_HASH), signer)
+    tmp = pub.begin(step)
+    (tmp / "trainer.pt").write_bytes(bytes([step]) * 1000)
+    pub.commit(tmp, manifest_for("run", step, 1, {"tp": 1, "pp": 1, "dp": 1}))
+    return layout.step_dir(step)
+
+
 def _config_args(staging: Path, uri: str, *sets: str) -> list[str]:
-    settings = ["run.id=run", f"checkpoint.reshardable.dir={staging}", f"checkpoint.s3.uri={uri}", *sets]
+    runs = staging.parent / "runs"  # the run key lives in <run.dir>/<run id>/run.key
+    settings = ["run.id=run", f"run.dir={runs}", f"checkpoint.reshardable.dir={staging}", f"checkpoint.s3.uri={uri}"]
+    settings += sets
     return ["--config", str(TINY), *(arg for item in settings for arg in ("--set", item))]
 
 
 def test_pretrain_upload_and_gc_read_the_config_and_share_state_with_tiering(tmp_path: Path) -> None:
     staging, uri = tmp_path / "staging", f"file://{tmp_path / 'objects'}"
+    key_file = tmp_path / "runs" / "run" / "run.key"  # the trainer's, as rank 0 creates it
+    signer = ManifestSigner(load_or_create(key_file))
     for step in (10, 20, 30):
-        _publish(staging, step)
+        _publish(staging, step, signer)
+    _publish(staging, 40, None)  # unsigned: never promoted
     up = _run("pretrain", "upload", *_config_args(staging, uri, "checkpoint.s3.owner=alice"), "--once")
     assert up.returncode == 0, up.stderr
-    assert json.loads(up.stdout.splitlines()[-1]) == {"uploaded": [10, 20, 30], "pending": []}
+    assert json.loads(up.stdout.splitlines()[-1]) == {"uploaded": [10, 20, 30], "pending": [40]}
     assert "promoted step 30" in up.stderr, "the uploader's log reaches stderr"
+    assert f"step-000000040/{SIGNATURE_NAME}: SIGNATURE is missing" in up.stderr, up.stderr
     assert RemoteTier.open(uri, "run").committed_steps() == [30, 20, 10]
     # The same lease through tiering's own flags: another owner is refused.
-    refused = _run("tiering", "upload", uri, "--run-id", "run", "--staging-dir", str(staging), "--owner", "bob")
+    argv = ["upload", uri, "--run-id", "run", "--staging-dir", str(staging), "--owner", "bob"]
+    refused = _run("tiering", *argv, "--run-key-file", str(key_file))
     assert refused.returncode == 1 and "owned by 'alice'" in refused.stderr
     # GC: the first pass (tiering flags) marks, the second (the config's keep) deletes.
     marked = _run("tiering", "gc", uri, "--run-id", "run", "--keep", "1", "--apply")

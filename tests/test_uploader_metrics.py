@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import PYTHON, free_port
-from tests.test_s3_tier import RUN, make_step
+from tests.test_s3_tier import RUN, make_step, run_key_file  # noqa: F401 (the run key fixture: autouse)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -3,11 +3,15 @@ real gloo ranks over TCP on loopback (rank 1 plays the peer). A replica pushed w
 refused on its header, 0 bytes committed, one error line on each side; a captured genuine header
 altered in one byte no longer verifies; a header length of 2^40, a header of 10^6 pieces and a
 name holding a NUL are refused before anything is allocated; after all of it, the next good
-transfer on the same pair arrives byte-identical and is committed."""
+transfer on the same pair arrives byte-identical and is committed. A receiver without the key that
+takes any header and answers it gets none of the step (its accept word does not verify); two ranks
+with different keys that push to each other both refuse at once, and the pair stays clean."""
 
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +20,10 @@ import torch.distributed as dist
 
 from tests.helpers import TEST_KEY, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
-from tiering.peer.replication import PeerReplicator, primary_store, replica_store
-from tiering.peer.run_key import RunKey
-from tiering.peer.transport import CHANNEL, TAG_ACK, TAG_HEAD, TAG_SIZE, OutgoingStep, Transport
+from tiering.local.posix import primary_store, replica_store
+from tiering.peer.replication import PeerReplicator
+from tiering.peer.run_key import TAG_BYTES, RunKey
+from tiering.peer.transport import CHANNEL, NONCE_BYTES, TAG_ACK, TAG_HEAD, TAG_SIZE, OutgoingStep, Transport
 from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.system.fsio import write_file_durably
 
@@ -47,9 +52,9 @@ def _raw_push(size: int, blob: bytes) -> int:
     dist.isend(torch.tensor([size], dtype=torch.int64), dst=0, tag=TAG_SIZE).wait()
     if blob:
         dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=0, tag=TAG_HEAD).wait()
-    word = torch.zeros(1, dtype=torch.int64)
+    word = torch.zeros(TAG_BYTES, dtype=torch.uint8)
     dist.irecv(word, src=0, tag=TAG_ACK).wait()
-    return int(word.item())
+    return int(bool(word.any()))  # zeros: refused
 
 
 def _header(published: Path, step: int, files: list[Any] | None = None) -> bytes:
@@ -62,7 +67,8 @@ def _header(published: Path, step: int, files: list[Any] | None = None) -> bytes
 
 def _signed(body: bytes) -> bytes:
     """What a peer holding the key sends (tests the bounds behind the tag)."""
-    return TEST_KEY.for_channel(CHANNEL).tag(b"to:0\n" + body) + body
+    nonced = secrets.token_bytes(NONCE_BYTES) + body
+    return TEST_KEY.for_channel(CHANNEL).tag(b"to:0\n" + nonced) + nonced
 
 
 def _rogue(root: Path, group: Any) -> dict[str, Any]:
@@ -131,3 +137,65 @@ def test_a_forged_or_garbage_transfer_is_refused_and_the_next_good_one_commits(t
         assert rogue[f"{name}_ack"] == 0, f"{name}: the peer is told its header was refused"
     assert holder["good"] == {} and rogue["good_report"] == {}, (holder["good"], rogue["good_report"])
     assert holder["good_same"] == {rel: True for rel in PAYLOAD}, "the next good transfer arrives identical"
+
+
+class _Taker(Transport):
+    """A receiver without the run key that takes any header as it comes (no tag check) and answers
+    it as a holder of its own key would: what a rogue that connected to pull replicas can do."""
+
+    def _verified_header(self, blob: bytes) -> dict[str, Any]:
+        head = json.loads(blob[TAG_BYTES + NONCE_BYTES :].decode("utf-8"))
+        head["files"] = [tuple(f) for f in head["files"]]
+        return head
+
+
+def _pull(rank: int, root: Path) -> dict[str, Any]:
+    """Rank 0 (the job's) sends its step to rank 1, which does not hold the key but answers."""
+    group = dist.group.WORLD
+    node = root / f"node-{rank}"
+    if rank == 0:
+        published = _publish(node, 10)  # rank 0 stands in for owner 1's layout: only the bytes matter
+        step = OutgoingStep.of(published, {"run_id": RUN, "step": 10, "owner": 1, "kind": "replica"})
+        _, errors = Transport(group, 20, piece=PIECE, key=TEST_KEY).exchange({1: step}, {})
+        return {"errors": errors}
+    received, errors = _Taker(group, 3, piece=PIECE, key=RunKey.generate()).exchange({}, {0: node / "rx"})
+    got = [p.read_bytes() for p in (node / "rx").rglob("*") if p.is_file()] if (node / "rx").exists() else []
+    seen = any(PAYLOAD["state.bin"][:4096] in data for data in got)
+    return {"received": sorted(received), "errors": errors, "bytes": sum(map(len, got)), "seen": seen}
+
+
+def test_a_receiver_without_the_key_gets_none_of_the_step(tmp_path: Path) -> None:
+    sender, rogue = two_gloo_ranks(_pull, tmp_path)
+    line = sender["errors"]["1"]
+    assert "did not prove it holds the run key" in line and "nothing sent" in line and "\n" not in line, line
+    assert rogue["received"] == [] and rogue["bytes"] == 0 and not rogue["seen"], rogue
+    assert "0" in rogue["errors"], "the rogue's wait for pieces that never come ends in an error"
+
+
+def _mutual(rank: int, root: Path) -> dict[str, Any]:
+    """Both ranks hold different keys and push to each other in one exchange; then both hold the
+    run key and push again on the same pair."""
+    group = dist.group.WORLD
+    mine = _publish(root / f"node-{rank}", 20)
+    step = OutgoingStep.of(mine, {"run_id": RUN, "step": 20, "owner": 1, "kind": "replica"})
+    peer = 1 - rank
+    t0 = time.monotonic()
+    received, errors = Transport(group, 20, piece=PIECE, key=RunKey.generate()).exchange(
+        {peer: step}, {peer: root / f"mutual-rx-{rank}"}
+    )
+    out: dict[str, Any] = {"errors": errors, "seconds": time.monotonic() - t0, "received": sorted(received)}
+    received, out["after_errors"] = Transport(group, 20, piece=PIECE, key=TEST_KEY).exchange(
+        {peer: step}, {peer: root / f"after-rx-{rank}"}
+    )
+    out["after_same"] = sorted(received) == [peer] and all(
+        (received[peer].directory / rel).read_bytes() == data for rel, data in PAYLOAD.items()
+    )
+    return out
+
+
+def test_a_mutual_refusal_ends_at_once_and_leaves_the_pair_clean(tmp_path: Path) -> None:
+    for rank, side in enumerate(two_gloo_ranks(_mutual, tmp_path)):
+        line = side["errors"][str(1 - rank)]
+        assert "run-key tag does not verify" in line and "refused the header sent to it" in line, line
+        assert "\n" not in line and side["received"] == [] and side["seconds"] < 10, (side["seconds"], line)
+        assert side["after_errors"] == {} and side["after_same"], side["after_errors"]

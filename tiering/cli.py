@@ -11,6 +11,13 @@
 * ``tiering restore URI --run-id ID --to DIR``: download the newest verified step.
 * ``tiering gc URI --run-id ID [--keep N] [--milestone-every M] [--apply]``: object store retention.
 
+``upload`` and ``restore`` need the run key (``--run-key-file``, or ``PRETRAIN_RUN_KEY_FILE``): a
+staging or S3 step whose ``SIGNATURE`` does not verify under it is never promoted nor restored
+(:mod:`tiering.signature`); ``gc`` checks signatures when given the key. A missing or unusable key
+is one line and exit status 2, as is an unreadable suspect list. ``--suspects FILE`` (a JSON list
+of steps, the trainer's ``suspect-steps.json``): steps ``restore`` never downloads and ``gc``
+never counts as verified.
+
 Every setting is a flag: the package reads no training config. ``pretrain upload`` and
 ``pretrain gc`` map a pretrain config onto :func:`upload` and :func:`gc`.
 """
@@ -28,16 +35,19 @@ import time
 import warnings
 from pathlib import Path
 
-from tiering.errors import AccessDenied, LeaseError, VerificationError
+from tiering.digest import PORTABLE_HASH
+from tiering.errors import AccessDenied, LeaseError, RunKeyError, VerificationError
 from tiering.layout import RunLayout, parse_tmp_name
 from tiering.local.posix import PosixTier, StepStatus
 from tiering.manifest import MANIFEST_NAME, Manifest
 from tiering.memory.slot_store import PEERS_DIR, SlotStore, is_slot_dir, parse_rank_dir
+from tiering.peer.run_key import key_file_from_env, load
 from tiering.remote.gc import MIN_AGE_S
 from tiering.remote.lease import default_owner
 from tiering.remote.objectstore import ObjectStoreError
 from tiering.remote.tier import RemoteTier
 from tiering.remote.uploader import Backoff, Uploader, UploaderMetrics
+from tiering.signature import ManifestSigner
 from tiering.verify import verify_step
 
 
@@ -345,17 +355,51 @@ def upload(
 
 
 def gc(
-    remote: RemoteTier, keep: int, milestone_every: int = 0, *, apply: bool = False, min_age_s: float = MIN_AGE_S
+    remote: RemoteTier,
+    keep: int,
+    milestone_every: int = 0,
+    *,
+    apply: bool = False,
+    min_age_s: float = MIN_AGE_S,
+    suspects: frozenset[int] = frozenset(),
 ) -> int:
     """Object store retention (:class:`tiering.retention.ObjectStoreRetention`): a dry run
-    unless ``apply``; marks on one pass and deletes on a later one. Prints the plan."""
-    plan = remote.gc(keep, milestone_every, dry_run=not apply, min_age_s=min_age_s)
+    unless ``apply``; marks on one pass and deletes on a later one; ``suspects`` never count as
+    verified. Prints the plan."""
+    plan = remote.gc(keep, milestone_every, dry_run=not apply, min_age_s=min_age_s, suspects=suspects)
     mode = "applied" if apply else "dry run (pass --apply to act)"
     print(f"gc {mode}: keep {plan.keep}; marked now {plan.marked_now}; deleted {plan.deleted}")
     return 0
 
 
-def _remote(args: argparse.Namespace) -> RemoteTier:
+def read_suspects(path: Path | str | None) -> frozenset[int]:
+    """The steps a suspect list (a JSON list of step numbers) names; none when ``path`` is None or
+    absent. An unreadable list raises VerificationError (a list that cannot be read must not read
+    as "no suspects")."""
+    if path is None or not os.path.lexists(path):
+        return frozenset()
+    try:
+        steps = json.loads(Path(path).read_bytes())
+        return frozenset(int(s) for s in steps)
+    except (OSError, ValueError, TypeError) as exc:
+        raise VerificationError(path, f"unreadable suspect list ({exc})", "fix: repair or remove it") from exc
+
+
+def signer_from(path: Path | str | None, required: bool) -> ManifestSigner | None:
+    """The manifest signer of the key in ``path`` (else ``PRETRAIN_RUN_KEY_FILE``); None when
+    neither names one and it is not ``required`` (RunKeyError: one line with the fix)."""
+    named = Path(path) if path else key_file_from_env()
+    if named is None:
+        if required:
+            raise RunKeyError(
+                "no run key: staging and S3 steps are signed with it; fix: pass --run-key-file "
+                "or set PRETRAIN_RUN_KEY_FILE (the trainer's key, <run.dir>/<run id>/run.key by default)"
+            )
+        return None
+    return ManifestSigner(load(named))
+
+
+def _remote(args: argparse.Namespace, signer: ManifestSigner | None = None) -> RemoteTier:
     return RemoteTier.open(
         args.uri,
         args.run_id,
@@ -365,13 +409,16 @@ def _remote(args: argparse.Namespace) -> RemoteTier:
         checksum_header=args.checksum_header,
         fault=getattr(args, "inject_fault", None),
         max_attempts=getattr(args, "max_attempts", 5),
+        signer=signer,
+        expect_hash=PORTABLE_HASH,
     )
 
 
 def _upload(args: argparse.Namespace) -> int:
-    staging = PosixTier(args.staging_dir, args.run_id, name="reshardable")
+    signer = signer_from(args.run_key_file, required=True)
+    staging = PosixTier(args.staging_dir, args.run_id, name="reshardable", expect_hash=PORTABLE_HASH, signer=signer)
     return upload(
-        _remote(args),
+        _remote(args, signer),
         staging,
         args.owner or default_owner(),
         watch=args.watch,
@@ -383,7 +430,14 @@ def _upload(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    return gc(_remote(args), args.keep, args.milestone_every, apply=args.apply, min_age_s=args.min_age_s)
+    return gc(
+        _remote(args, signer_from(args.run_key_file, required=False)),
+        args.keep,
+        args.milestone_every,
+        apply=args.apply,
+        min_age_s=args.min_age_s,
+        suspects=read_suspects(args.suspects),
+    )
 
 
 def _restore(args: argparse.Namespace) -> int:
@@ -393,17 +447,21 @@ def _restore(args: argparse.Namespace) -> int:
     the store is unreachable: the trainer then starts from its local/peer tiers or from step 0,
     and retries S3 itself.
     """
-    remote = RemoteTier.open(args.uri, args.run_id, endpoint_url=args.endpoint_url)
+    signer = signer_from(args.run_key_file, required=True)
+    suspects = read_suspects(args.suspects)
+    remote = RemoteTier.open(
+        args.uri, args.run_id, endpoint_url=args.endpoint_url, signer=signer, expect_hash=PORTABLE_HASH
+    )
     layout = RunLayout(Path(args.to), args.run_id)
     soft = 0 if args.allow_none else 1
-    local = PosixTier(Path(args.to), args.run_id)
-    local_best = next((s for s in local.committed_steps() if _verifies(layout.step_dir(s))), None)
+    local = PosixTier(Path(args.to), args.run_id, expect_hash=PORTABLE_HASH, signer=signer)
+    local_best = next((s for s in local.committed_steps() if s not in suspects and _verifies(local, s)), None)
     try:
-        remote_steps = remote.committed_steps()
+        remote_steps = [s for s in remote.committed_steps() if s not in suspects]
         if local_best is not None and (not remote_steps or remote_steps[0] <= local_best):
             print(f"local step {local_best} in {layout.steps_dir} verifies and is as new as S3's; nothing to download")
             return 0
-        step, rejected = remote.restore_newest(layout, f"restore-{int(time.time())}")
+        step, rejected = remote.restore_newest(layout, f"restore-{int(time.time())}", exclude=suspects)
     except ObjectStoreError as exc:
         print(f"tiering restore: {exc}", file=sys.stderr)
         # A refused identity is a deployment error, not an outage: fail the pod where it shows,
@@ -418,9 +476,9 @@ def _restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verifies(step_dir: Path) -> bool:
+def _verifies(tier: PosixTier, step: int) -> bool:
     try:
-        verify_step(step_dir)
+        tier.verify(step)
         return True
     except VerificationError:
         return False
@@ -441,6 +499,18 @@ def _store_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=_positive, default=8, help="parallel transfers")
     parser.add_argument("--multipart-chunk-mb", type=int, default=64, help="multipart part size (S3: >= 5)")
     parser.add_argument("--checksum-header", action="store_true", help="also send x-amz-checksum-sha256")
+
+
+def _key_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run-key-file", default=None, help="the run key (default: PRETRAIN_RUN_KEY_FILE); steps are signed with it"
+    )
+
+
+def _suspects_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suspects", default=None, metavar="FILE", help="JSON list of poisoned steps (suspect-steps.json) to skip"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -485,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="tests and drills: kill_after_parts=N (SIGKILL after N parts) or timeout_parts=N",
     )
+    _key_flag(up)
     up.set_defaults(func=_upload)
     r = sub.add_parser("restore", help="download the newest verified step from an object store")
     r.add_argument("uri", help="s3://bucket/prefix or file:///path")
@@ -496,6 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 0 when S3 has no verified step or cannot be reached (init containers)",
     )
+    _key_flag(r)
+    _suspects_flag(r)
     r.set_defaults(func=_restore)
     g = sub.add_parser("gc", help="retention on the object store (dry run unless --apply)")
     _store_flags(g)
@@ -505,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--min-age-s", type=float, default=MIN_AGE_S, help="delete a marked step only once its mark is this old"
     )
+    _key_flag(g)
+    _suspects_flag(g)
     g.set_defaults(func=_gc)
     return parser
 
@@ -534,4 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         print(moved, file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (RunKeyError, VerificationError) as exc:  # a key or a suspect list that cannot be used
+        print(f"tiering {args.command}: {exc}", file=sys.stderr)
+        return 2

@@ -26,6 +26,7 @@ from tiering.digest import DEFAULT_HASHING, ChunkedDigest, ChunkFailure, HashSpe
 from tiering.errors import DiskFull, PublishError, ReplicaRejected, VerificationError
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
+from tiering.signature import SIGNATURE_NAME, ManifestSigner
 from tiering.system.fsio import atomic_write_bytes, fsync_dir, fsync_tree
 from tiering.verify import committed_marker, verify_file
 
@@ -46,13 +47,22 @@ class ReceivedStep:
 
 class PosixStepPublisher:
     """Publishes steps under ``layout``; files nobody hashed while writing are hashed at commit
-    as ``hashing`` says (its thread count bounds the CPU taken from the ranks)."""
+    as ``hashing`` says (its thread count bounds the CPU taken from the ranks). With ``signer``
+    (the reshardable tier) every step gets its ``SIGNATURE`` (:mod:`tiering.signature`)."""
 
-    def __init__(self, layout: RunLayout, coll: Collective, attempt: str, hashing: HashSpec = DEFAULT_HASHING) -> None:
+    def __init__(
+        self,
+        layout: RunLayout,
+        coll: Collective,
+        attempt: str,
+        hashing: HashSpec = DEFAULT_HASHING,
+        signer: ManifestSigner | None = None,
+    ) -> None:
         self.layout = layout
         self.coll = coll
         self.attempt = attempt
         self.hashing = hashing
+        self.signer = signer
 
     def begin(self, step: int, expected_bytes: int = 0, make_room: Callable[[], object] | None = None) -> Path:
         """Create the temporary step directory (rank 0) and return it on every rank.
@@ -165,7 +175,8 @@ class PosixStepPublisher:
         raw = manifest.to_json()
         with open(tmp / MANIFEST_NAME, "xb") as fh:
             fh.write(raw)
-        publish_dir(self.layout, tmp, manifest.step, raw, already_durable=written)
+        signature = self.signer.sign(raw) if self.signer is not None else None
+        publish_dir(self.layout, tmp, manifest.step, raw, already_durable=written, signature=signature)
 
 
 def publish_dir(
@@ -175,6 +186,7 @@ def publish_dir(
     manifest_raw: bytes,
     durable: bool = True,
     already_durable: frozenset[str] = frozenset(),
+    signature: bytes | None = None,
 ) -> Path:
     """Make a fully written temporary directory (files + ``manifest.json``) the published step.
 
@@ -184,10 +196,14 @@ def publish_dir(
     ``already_durable``: files (relative paths) their writer fsynced. ``durable=False`` (a copy
     fetched to restore from, whose source still exists) leaves the data to the kernel's writeback:
     a copy torn by a crash before it fails its digests at the next restore, which then fetches again.
+    ``signature``: the manifest's ``SIGNATURE`` (signed tiers), written before ``COMMITTED``.
     """
     final = layout.step_dir(step)
     if final.exists():
         raise PublishError(f"{final}: step already published; refusing to overwrite")
+    if signature is not None:
+        with open(tmp / SIGNATURE_NAME, "xb") as fh:
+            fh.write(signature)
     (tmp / COMMITTED_NAME).write_bytes(committed_marker(step, manifest_raw))
     if durable:
         fsync_tree(tmp, skip=already_durable)

@@ -15,6 +15,7 @@ from tiering.digest import check_file, short_file_reason
 from tiering.errors import VerificationError
 from tiering.layout import parse_step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
+from tiering.signature import SIGNATURE_NAME, ManifestSigner, read_signature
 from tiering.system.fsio import sha256_file
 
 # Hashing threads per verifying process: the restore is on the critical path, the cores are free.
@@ -27,8 +28,9 @@ def committed_marker(step: int, manifest_bytes: bytes) -> bytes:
     return (json.dumps(body, sort_keys=True) + "\n").encode()
 
 
-def read_manifest(step_dir: Path) -> Manifest:
-    """Check the marker and the manifest of ``step_dir`` without hashing the data files."""
+def read_manifest(step_dir: Path, signer: ManifestSigner | None = None) -> Manifest:
+    """Check the marker and the manifest of ``step_dir`` without hashing the data files; with
+    ``signer``, its ``SIGNATURE`` first (before the manifest is even parsed)."""
     step_dir = Path(step_dir)
     if step_dir.is_symlink() or not step_dir.is_dir():
         raise VerificationError(step_dir, "step directory is missing or is a symlink")
@@ -39,6 +41,8 @@ def read_manifest(step_dir: Path) -> Manifest:
     if manifest_path.is_symlink() or not manifest_path.is_file():
         raise VerificationError(manifest_path, "manifest.json is missing")
     raw = manifest_path.read_bytes()
+    if signer is not None:
+        signer.check(raw, read_signature(step_dir), step_dir / SIGNATURE_NAME)
     manifest = Manifest.from_json(raw, manifest_path)
     try:
         marker_body = json.loads(marker.read_bytes().decode("utf-8"))
@@ -60,6 +64,7 @@ def verify_step(
     hash_files: bool = True,
     threads: int = VERIFY_THREADS,
     expect_hash: str | None = None,
+    signer: ManifestSigner | None = None,
 ) -> Manifest:
     """Verify ``step_dir`` and return its manifest, or raise :class:`VerificationError`.
 
@@ -67,10 +72,12 @@ def verify_step(
     one step in parallel (each with ``threads`` hashing threads); the structural checks (marker,
     manifest, symlinks, unlisted or missing files, sizes) always cover the whole step.
     ``expect_hash``: the tier's one digest; a file listed with another (a manifest that chose a
-    weaker hash for itself) is refused before anything is hashed.
+    weaker hash for itself) is refused before anything is hashed. ``signer``: the tier's steps
+    are signed (:mod:`tiering.signature`); a missing or forged ``SIGNATURE`` is refused before
+    anything else is checked.
     """
     step_dir = Path(step_dir)
-    manifest = read_manifest(step_dir)
+    manifest = read_manifest(step_dir, signer)
     if expect_hash is not None:
         for entry in manifest.files:
             if entry.hash != expect_hash:
@@ -91,7 +98,7 @@ def verify_step(
                 raise VerificationError(full, "symlink inside a step directory")
         for name in filenames:
             rel = (Path(dirpath) / name).relative_to(step_dir).as_posix()
-            if rel in (MANIFEST_NAME, COMMITTED_NAME):
+            if rel in (MANIFEST_NAME, COMMITTED_NAME, SIGNATURE_NAME):
                 continue
             if rel not in listed:
                 raise VerificationError(step_dir / rel, "file is not listed in manifest.json")

@@ -5,13 +5,17 @@ The loop calls :meth:`CheckpointManager.restore` once, :meth:`before_optimizer_s
 Everything else lives here: which tier is due, whether a save runs in the foreground or the
 background, waiting for or skipping a save while one is in flight (``checkpoint.async.when_busy``),
 publishing finished background saves, the emergency tier-1 save when a preemption signal arrived,
-and reporting every outcome (:class:`pretrain.checkpointing.reporting.SaveReport`). Every method is
-collective: all ranks call it at the same step with the same arguments.
+and reporting every outcome (:class:`pretrain.checkpointing.reporting.SaveReport`). Before any tier
+snapshots the weights (a save due, the emergency save) it calls ``sync_weights`` where it was given
+one: with the parameter all-gather overlapped on CUDA, the weights are current only once that
+pending gather is forced (:func:`pretrain.session.weight_sync`). Every method is collective: all
+ranks call it at the same step with the same arguments.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.state import RestoreResult, SaveResult, TrainingState
@@ -37,8 +41,10 @@ class CheckpointManager:
         monitor: RankMonitor,
         watch: PreemptionWatch,
         phases: PhaseRecord | None = None,
+        sync_weights: Callable[[], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.sync_weights = sync_weights
         self.tiers = tiers
         self.state = state
         self.report = report
@@ -94,6 +100,8 @@ class CheckpointManager:
             self.monitor.start("checkpointing")  # judged by the checkpointing timeout, not the step's
         if any(not tier.within_step for tier in due):
             maybe_slow_save(self.cfg.fault_tolerance.inject, step)
+        if due:
+            self._sync_weights()
         # Tier 0 last: the other tiers' writers fork, and a fork should find no other thread of
         # this process at work (tier 0's writer would be one; see tiering.system.hash_threads).
         for tier in sorted(due, key=lambda t: t.within_step):
@@ -126,6 +134,11 @@ class CheckpointManager:
             tier.abandon_async()
 
     # -- internals -------------------------------------------------------------------------------
+    def _sync_weights(self) -> None:
+        """Collective where the gather is: make the weights current before a tier snapshots them."""
+        if self.sync_weights is not None:
+            self.sync_weights()
+
     def _beyond_a_step(self, due: list[CheckpointTier]) -> bool:
         """Whether this step's checkpoint work may outlast a step: a save due of a tier whose save
         does not fit in a step, or one in flight whose poll may not."""
@@ -188,6 +201,7 @@ class CheckpointManager:
             self.monitor.start("checkpointing")
             if self.phases is not None:
                 self.phases.enter("emergency_save", step=step)
+            self._sync_weights()
             try:
                 saved = local.save(self.state, deadline=watch.deadline)
                 published = True

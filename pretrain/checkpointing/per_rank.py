@@ -1,7 +1,9 @@
 """Tiers 1-2: fast per-rank saves to node-local storage, replicated to peers in other domains.
 
 Each rank writes its own state as it lives on that rank (its model and optimizer shards, the
-trainer state and its RNG/data cursor) into one ``state.pt`` under the publish protocol, in its
+trainer state and its RNG/data cursor; with DP > 1 only its slice of the DP-replicated weights,
+gathered over the DP group at load: :mod:`pretrain.checkpointing.dp_slices`) into one ``state.pt``
+under the publish protocol, in its
 own primary store; then the bytes go to ``checkpoint.replication.factor - 1`` peers in other
 failure domains, which verify them against the owner's manifest before committing the replica.
 Loading needs the same topology; another topology falls back to the reshardable tier.
@@ -27,7 +29,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from megatron.core import parallel_state
 
+from pretrain.checkpointing import dp_slices
 from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers, save_state
 from pretrain.checkpointing.state import (
     SaveResult,
@@ -53,9 +57,10 @@ from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError, TieringError, UnsafeDirectory
+from tiering.local.posix import primary_store, replica_store
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer.placement import PlacementError, RankIdentity, failure_domain, node_name, replica_holders
-from tiering.peer.replication import PeerReplicator, ReplicationReport, primary_store, replica_store
+from tiering.peer.replication import PeerReplicator, ReplicationReport
 from tiering.peer.restore import PeerPlanResult, PeerRecovery, PeerRestore, owner_of
 from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher
@@ -649,7 +654,11 @@ def agree_placement(rep: ReplicationConfig, source: str, coll: Collective) -> Pl
 def apply_payload(state: TrainingState, payload: dict[str, Any], where: Path) -> None:
     """Load a per-rank payload (tier 0 or tiers 1-2: the same format) into the training state."""
     apply_trainer_state(state, payload["trainer"], where)
-    state.model.load_state_dict(payload["model"], strict=True)
+    if dp_slices.SPLIT_KEY in payload:  # collective over the DP group: every DP rank restores this step
+        model_state = dp_slices.gather(payload[dp_slices.SPLIT_KEY], parallel_state.get_data_parallel_group_gloo())
+    else:
+        model_state = payload["model"]
+    state.model.load_state_dict(model_state, strict=True)
     on_cpu = all(p.device.type == "cpu" for p in state.model.parameters())
     state.optimizer.load_local_state_dict(owned_tensors(payload["optimizer"]) if on_cpu else payload["optimizer"])
     restore_rng(payload["rank_state"]["rng"])
@@ -678,11 +687,16 @@ def load_verified_state(path: Path) -> dict[str, Any]:
 
 
 def rank_payload(state: TrainingState, rank: int) -> dict[str, Any]:
-    """What a rank saves of itself (tiers 0-2): references to the live tensors, not copies."""
+    """What a rank saves of itself (tiers 0-2): references to the live tensors, not copies, but for
+    the model's weights with DP > 1: this DP rank's slice of them, copied (:mod:`.dp_slices`)."""
     cursor = state.sampler.cursor(state.consumed_samples)
+    dp = state.topology.get("dp", 1)
+    model: dict[str, Any] = {"model": state.model.state_dict()}
+    if dp > 1:
+        model = {dp_slices.SPLIT_KEY: dp_slices.split(model["model"], dp, parallel_state.get_data_parallel_rank())}
     return {
         "format": FORMAT,
-        "model": state.model.state_dict(),
+        **model,
         "optimizer": state.optimizer.local_state_dict(),
         "trainer": trainer_state(state),
         "rank_state": rank_state(rank, state.topology, cursor),

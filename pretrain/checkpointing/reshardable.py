@@ -7,7 +7,10 @@ A step directory holds:
 * ``trainer.pt``: step, consumed samples/tokens, LR scheduler, grad scaler, topology, config,
   code and framework versions, dataset snapshot (rank 0; tensors and plain values only);
 * ``rank-state/rank-NNNNN.pt``: per-rank RNG streams and data cursor;
-* ``manifest.json`` + ``COMMITTED`` from the publish protocol (:mod:`tiering.publish`).
+* ``manifest.json`` + ``COMMITTED`` from the publish protocol (:mod:`tiering.publish`), and
+  ``SIGNATURE``, the manifest's HMAC under the run key (:mod:`tiering.signature`): checked on every
+  rank before any byte is hashed or any DCP metadata is read; a step whose signature is missing or
+  forged is quarantined and the next older signed step restored.
 
 The directory must be visible to every rank (shared storage, or the staging area of the S3 tier).
 
@@ -86,6 +89,7 @@ from tiering.errors import PublishError, VerificationError
 from tiering.local.posix import PosixTier
 from tiering.local.restore import select_newest_verified
 from tiering.publish import PosixStepPublisher
+from tiering.signature import ManifestSigner
 from tiering.verify import verify_step
 
 log = logging.getLogger(__name__)
@@ -126,19 +130,28 @@ class ReshardableCheckpoints:
         directory: str | None = None,
         record_event: Any = None,
         phases: PhaseRecord | None = None,
+        signer: ManifestSigner | None = None,
     ) -> None:
+        """``signer``: the run key's manifest signer; every step saved here gets its ``SIGNATURE``
+        and a step without a good one is never restored (:mod:`tiering.signature`). None only for
+        a tool that loads a step it was handed (``pretrain evaluate``)."""
         self.cfg = cfg
         self.phases = phases
         self.coll = coll
         tier_cfg = cfg.checkpoint.reshardable
         self.tier = PosixTier(
-            directory or tier_cfg.dir, cfg.run.id, tier_cfg.keep, name=self.name, expect_hash=PORTABLE_HASH
+            directory or tier_cfg.dir,
+            cfg.run.id,
+            tier_cfg.keep,
+            name=self.name,
+            expect_hash=PORTABLE_HASH,
+            signer=signer,
         )
         # What S3 receives carries a cryptographic digest (blake3); each rank hashes its share of
         # the files Megatron wrote at commit, on at most hash_threads threads.
         integrity = cfg.checkpoint.integrity
         hashing = HashSpec(PORTABLE_HASH, integrity.chunk_bytes, integrity.hash_threads)
-        self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt, hashing)
+        self.publisher = PosixStepPublisher(self.tier.layout, coll, attempt, hashing, signer)
         self.attempt = attempt
         self._last_step_bytes = 0
         self._warmup = start_writer_warmup()
@@ -433,7 +446,7 @@ class ReshardableCheckpoints:
         error = None
         if self.coll.rank == 0:
             try:
-                verify_step(path, expect_run_id=self.cfg.run.id)
+                verify_step(path, expect_run_id=self.cfg.run.id, signer=self.tier.signer)
             except VerificationError as exc:
                 error = (exc.path, exc.reason)
         error = self.coll.broadcast(error)

@@ -21,16 +21,18 @@ from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.run_key_source import load_run_key
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
+from pretrain.checkpointing.tiering_config import suspects_path
 from pretrain.config import Config, s3_owner
 from pretrain.errors import FreshStartRefused
-from pretrain.observability.runlog import run_dir
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, TorchCollective
+from tiering.digest import PORTABLE_HASH
 from tiering.errors import LeaseError
 from tiering.peer.restore import PeerPlanResult, PeerRestore
 from tiering.peer.transport import Transport
 from tiering.remote.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
 from tiering.remote.tier import RemoteTier
+from tiering.signature import ManifestSigner
 from tiering.system.fsio import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,13 @@ class TieredCheckpointer:
         self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
+        # The run key tags every transfer between ranks and signs every staging/S3 manifest.
+        self._run_key = load_run_key(cfg, coll) if self._keyed(cfg) else None
+        signer = ManifestSigner(self._run_key) if self._run_key is not None else None
         # The lease first: a job that may not write this run fails before anything else starts.
-        self.remote = self._open_remote() if cfg.checkpoint.s3.uri else None
+        self.remote = self._open_remote(signer) if cfg.checkpoint.s3.uri else None
         if cfg.checkpoint.local.enabled:
-            self._run_key = load_run_key(cfg, coll)  # tags every transfer between ranks
+            assert self._run_key is not None  # _keyed: tier 1 is on
             # Replication gets its own gloo group so that its waits are bounded independently of
             # the training group (which may be NCCL on GPUs).
             group = dist.new_group(
@@ -75,7 +80,9 @@ class TieredCheckpointer:
                 cfg, coll, attempt, topology, transport, TorchCollective(group), record_event, phases
             )
         if cfg.checkpoint.reshardable.enabled:
-            self.reshardable = ReshardableCheckpoints(cfg, coll, attempt, record_event=record_event, phases=phases)
+            self.reshardable = ReshardableCheckpoints(
+                cfg, coll, attempt, record_event=record_event, phases=phases, signer=signer
+            )
         if self.memory is not None and self.local is not None:
             self._attach_memory_peers()
         self.agent: AgentTier | None = None
@@ -124,15 +131,22 @@ class TieredCheckpointer:
         holders = {o: [h for h in hs if node[h] != node[o]] for o, hs in self.local.holders.items()}
         self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE, key=self._run_key))
 
-    def _open_remote(self) -> RemoteTier:
+    @staticmethod
+    def _keyed(cfg: Config) -> bool:
+        """Whether a tier that moves or signs steps is on (every one but tier 0 alone)."""
+        ckpt = cfg.checkpoint
+        return bool(ckpt.local.enabled or ckpt.reshardable.enabled or ckpt.s3.uri)
+
+    def _open_remote(self, signer: ManifestSigner | None) -> RemoteTier:
         """Rank 0 checks the run lease at start: another owner fails the job now, an unreachable
-        store only warns (the uploader, not the trainer, writes to it)."""
+        store only warns (the uploader, not the trainer, writes to it). Its steps are read only
+        with a signature that verifies and blake3 digests."""
         s3 = self.cfg.checkpoint.s3
         store, prefix = open_store(
             s3.uri, s3.endpoint_url, s3.concurrency, s3.multipart_chunk_mb, s3.checksum_header,
             s3.connect_timeout_s, s3.read_timeout_s, max_attempts=2,
         )  # fmt: skip
-        remote = RemoteTier(store, prefix, self.cfg.run.id, s3.concurrency)
+        remote = RemoteTier(store, prefix, self.cfg.run.id, s3.concurrency, signer=signer, expect_hash=PORTABLE_HASH)
         error = None
         if self.coll.rank == 0:
             try:
@@ -149,7 +163,7 @@ class TieredCheckpointer:
     # -- suspect (poisoned) steps ----------------------------------------------------------------
     @property
     def _suspect_path(self) -> Path:
-        return run_dir(self.cfg.run.dir, self.cfg.run.id) / "suspect-steps.json"
+        return suspects_path(self.cfg)
 
     def suspect_steps(self) -> set[int]:
         """Steps that verified but produced NaN/Inf right after a restore: never restored again."""
@@ -428,31 +442,40 @@ class TieredCheckpointer:
         )
 
     def _fetch_from_s3(self, best_local: int, notes: list[str]) -> int | None:
-        """Collective: if the object store has a newer committed step than every local tier, rank 0
-        downloads and verifies it into the reshardable tier (falling back to older S3 steps)."""
+        """Collective: if the object store has a newer committed step than every local tier, every
+        rank downloads and verifies a share of its files into the reshardable tier (falling back to
+        older S3 steps together): no rank waits alone behind rank 0's whole download."""
         if self.remote is None or self._staging is None:
             if self.remote is not None:
                 notes.append("S3 not consulted: its steps are restored through the reshardable tier, which is stalled")
             return None
-        got = None
+        suspects = self.suspect_steps() if self.coll.rank == 0 else set()
+        newer = None
         if self.coll.rank == 0:
             try:
-                suspects = self.suspect_steps()
                 committed = [s for s in self.remote.committed_steps() if s not in suspects]
-                if committed and committed[0] > best_local:
-                    layout = self._staging.tier.layout
-                    got, rejected = self.remote.restore_newest(layout, self.attempt, exclude=suspects)
-                    for step, reason in rejected:
-                        notes.append(f"S3 step {step} rejected: {reason}")
-                    if got is not None and got <= best_local:
-                        got = None
-                    if got is not None:
-                        notes.append(f"downloaded and verified step {got} from {self.remote.where(self.remote.base)}")
-                        log.info(notes[-1])
+                newer = bool(committed and committed[0] > best_local)
             except ObjectStoreError as exc:
                 notes.append(f"S3 tier unreachable during restore: {exc}")
                 log.warning(notes[-1])
-        return self.coll.broadcast(got)
+        newer, best_local, suspects = self.coll.broadcast((newer, best_local, suspects))  # rank 0's view
+        if not newer:
+            return None
+        try:
+            layout = self._staging.tier.layout
+            got, rejected = self.remote.restore_newest(layout, self.attempt, exclude=suspects, coll=self.coll)
+        except ObjectStoreError as exc:  # every rank raises it (the download agrees on failures)
+            notes.append(f"S3 tier unreachable during restore: {exc}")
+            log.warning(notes[-1])
+            return None
+        for step, reason in rejected:
+            notes.append(f"S3 step {step} rejected: {reason}")
+        if got is not None and got <= best_local:
+            return None
+        if got is not None:
+            notes.append(f"downloaded and verified step {got} from {self.remote.where(self.remote.base)}")
+            log.info(notes[-1])
+        return got
 
     def _load_peer(
         self,

@@ -2,19 +2,43 @@
 
 ``tiering`` reads no training config (every setting is a flag there); this adapter maps
 ``run.id``, ``checkpoint.reshardable`` and ``checkpoint.s3`` onto :func:`tiering.cli.upload` and
-:func:`tiering.cli.gc`, so the uploader and GC run from the same YAML as the trainer.
+:func:`tiering.cli.gc`, so the uploader and GC run from the same YAML as the trainer. Both use the
+trainer's run key (:mod:`pretrain.checkpointing.run_key_source`: the uploader promotes only steps
+whose ``SIGNATURE`` verifies, GC counts only those) and GC the run's ``suspect-steps.json``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from pretrain.checkpointing.run_key_source import key_path
 from pretrain.config import Config, s3_owner
 from pretrain.errors import ConfigError
+from pretrain.observability.runlog import run_dir
 from tiering import cli as tiering_cli
+from tiering.digest import PORTABLE_HASH
 from tiering.local.posix import PosixTier
+from tiering.peer.run_key import load_or_create
 from tiering.remote.tier import RemoteTier
+from tiering.signature import ManifestSigner
+
+SUSPECTS_NAME = "suspect-steps.json"  # written by the trainer (TieredCheckpointer.quarantine_everywhere)
 
 
-def remote_tier(cfg: Config) -> RemoteTier:
+def manifest_signer(cfg: Config, create: bool = True) -> ManifestSigner:
+    """The run key's manifest signer (the trainer's key file; with ``create``, the default one is
+    created if absent, as rank 0 would: concurrent creators agree on one key). RunKeyError: one
+    line with the fix."""
+    path, may_create = key_path(cfg)
+    return ManifestSigner(load_or_create(path, create=create and may_create))
+
+
+def suspects_path(cfg: Config) -> Path:
+    """The run's list of poisoned steps (never restored, never counted as verified by GC)."""
+    return run_dir(cfg.run.dir, cfg.run.id) / SUSPECTS_NAME
+
+
+def remote_tier(cfg: Config, signer: ManifestSigner | None = None) -> RemoteTier:
     """The run's object store tier; ConfigError if ``checkpoint.s3.uri`` is not set."""
     s3 = cfg.checkpoint.s3
     if not s3.uri:
@@ -32,13 +56,15 @@ def remote_tier(cfg: Config) -> RemoteTier:
         max_attempts=s3.max_attempts,
         connect_timeout_s=s3.connect_timeout_s,
         read_timeout_s=s3.read_timeout_s,
+        signer=signer,
+        expect_hash=PORTABLE_HASH,
     )
 
 
-def staging_tier(cfg: Config) -> PosixTier:
+def staging_tier(cfg: Config, signer: ManifestSigner | None = None) -> PosixTier:
     """The reshardable tier the uploader promotes from."""
     tier = cfg.checkpoint.reshardable
-    return PosixTier(tier.dir, cfg.run.id, tier.keep, name="reshardable")
+    return PosixTier(tier.dir, cfg.run.id, tier.keep, name="reshardable", expect_hash=PORTABLE_HASH, signer=signer)
 
 
 def run_upload(
@@ -46,9 +72,12 @@ def run_upload(
 ) -> int:
     """``tiering upload`` with the store, run, owner, polling and backoff of ``cfg``."""
     s3 = cfg.checkpoint.s3
+    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
+    signer = manifest_signer(cfg)
+    remote.signer = signer
     return tiering_cli.upload(
-        remote_tier(cfg),
-        staging_tier(cfg),
+        remote,
+        staging_tier(cfg, signer),
         s3_owner(cfg),
         watch=watch,
         poll_s=s3.poll_s,
@@ -59,6 +88,16 @@ def run_upload(
 
 
 def run_gc(cfg: Config, *, apply: bool = False) -> int:
-    """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``."""
+    """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``, the run
+    key and the run's suspect list."""
     s3 = cfg.checkpoint.s3
-    return tiering_cli.gc(remote_tier(cfg), s3.keep, s3.milestone_every, apply=apply, min_age_s=s3.gc_min_age_s)
+    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
+    remote.signer = manifest_signer(cfg, create=False)  # GC never makes up a key
+    return tiering_cli.gc(
+        remote,
+        s3.keep,
+        s3.milestone_every,
+        apply=apply,
+        min_age_s=s3.gc_min_age_s,
+        suspects=tiering_cli.read_suspects(suspects_path(cfg)),
+    )

@@ -51,18 +51,16 @@ class ModelSize:
     pp: int
     dp: int
     distributed_optimizer: bool
-    weight_bytes: int  # per parameter
+    weight_bytes: int  # per parameter, before the division by dp (each DP rank saves a slice: dp_slices)
     optimizer_bytes: int  # per parameter, before the distributed optimizer's division by dp
     state_bytes_per_rank: int
 
     def describe(self) -> str:
         opt = f"{self.optimizer_bytes} B / dp {self.dp}" if self.distributed_optimizer else f"{self.optimizer_bytes} B"
+        weights = f"{self.weight_bytes} B / dp {self.dp}" if self.dp > 1 else f"{self.weight_bytes} B"
         layout = f"tp {self.tp} x pp {self.pp} x dp {self.dp}"
         layout += ", distributed optimizer" if self.distributed_optimizer else ""
-        return (
-            f"{count(self.params_per_rank)} params per rank x ({self.weight_bytes} B weights + {opt} "
-            f"optimizer) ({layout})"
-        )
+        return f"{count(self.params_per_rank)} params per rank x ({weights} weights + {opt} optimizer) ({layout})"
 
 
 def vocab_for_plan(cfg: Config) -> int:
@@ -126,7 +124,10 @@ def model_size(cfg: Config, world_size: int) -> ModelSize:
     per_rank = params_per_rank(m, vocab, tp, pp)
     dist = uses_distributed_optimizer(cfg)
     weight, opt = WEIGHT_BYTES[m.precision], OPTIMIZER_BYTES[m.precision]
-    state = per_rank * weight + -(-per_rank * opt // (dp if dist else 1))
+    # What a rank's checkpoint holds: its slice of the DP-replicated weights (each DP rank saves
+    # 1/dp of them, pretrain.checkpointing.dp_slices) and its optimizer state (1/dp of it with the
+    # distributed optimizer).
+    state = -(-per_rank * weight // dp) + -(-per_rank * opt // (dp if dist else 1))
     return ModelSize(count_params(m, vocab), per_rank, tp, pp, dp, dist, weight, opt, state)
 
 

@@ -12,6 +12,11 @@ between them (``scripts/gpu-check.sh`` runs the GPU checks on the newest release
 * The checkpoint writer's multiprocessing Manager, warmed up at start-up: 0.16.1 names its getter
   ``filesystem_async._get_write_results_queue``, 0.19 ``get_write_results_queue``.
   :func:`warm_write_results_queue` calls whichever exists.
+* The memory-efficient fully-reshardable optimizer gather (metadata
+  ``distrib_optim_fully_reshardable_mem_efficient``: a gloo gather to DP rank 0 only, instead of an
+  NCCL all-gather of the whole model-parallel shard's fp32 state onto every DP rank's GPU and
+  host): read by ``DistributedOptimizer.sharded_param_state_fully_reshardable`` in 0.16.1 and 0.19.
+  :func:`fully_reshardable_mem_efficient` detects it in the installed code, not by version.
 * The core-attention call: 0.19 forwards extra keyword arguments to a custom core attention
   (``core_attention_extra_kwargs``); :class:`pretrain.model.SDPACoreAttention` accepts and ignores
   them.
@@ -37,6 +42,9 @@ from typing import Any
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+MEM_EFFICIENT_KEY = "distrib_optim_fully_reshardable_mem_efficient"
 
 
 @functools.cache
@@ -53,6 +61,25 @@ def accepts_keyword(func: Any, name: str) -> bool:
         return name in inspect.signature(func).parameters
     except (TypeError, ValueError):
         return False
+
+
+def reads_key(func: Any, key: str) -> bool:
+    """Whether ``func``'s source names the string ``key`` (a metadata key it reads); False where the
+    installed package ships no source."""
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    return f"'{key}'" in source or f'"{key}"' in source
+
+
+def fully_reshardable_mem_efficient(optimizer_class: Any = DistributedOptimizer) -> bool:
+    """Whether the installed DistributedOptimizer offers the memory-efficient fully-reshardable
+    gather: its fully-reshardable state reads :data:`MEM_EFFICIENT_KEY` and its DP-0 gather can
+    return on DP rank 0 alone (``return_on_all_ranks``)."""
+    return reads_key(optimizer_class.sharded_param_state_fully_reshardable, MEM_EFFICIENT_KEY) and accepts_keyword(
+        optimizer_class.get_parameter_state_dp_zero, "return_on_all_ranks"
+    )
 
 
 @functools.cache

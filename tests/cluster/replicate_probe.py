@@ -21,7 +21,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tiering.collective import SingleProcess, TorchCollective
-from tiering.peer.replication import PeerReplicator, primary_store
+from tiering.local.posix import primary_store
+from tiering.peer.replication import PeerReplicator
 from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport
 from tiering.publish import PosixStepPublisher, manifest_for

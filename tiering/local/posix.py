@@ -19,6 +19,7 @@ from tiering.errors import VerificationError
 from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.retention import KeepNewest, RetentionPolicy
+from tiering.signature import ManifestSigner
 from tiering.system.fsio import atomic_write_bytes, dir_size, fsync_dir
 from tiering.verify import read_manifest, verify_step
 
@@ -44,7 +45,8 @@ class PosixTier:
 
     ``dirname`` is the run id for a whole-run store (the reshardable tier), or ``rank-NNNNN`` for
     a per-rank primary or replica store; ``run_id`` (default: ``dirname``) is what manifests
-    must name.
+    must name. ``signer``: the tier's steps are signed (the reshardable tier): a step whose
+    ``SIGNATURE`` is missing or forged never verifies, nor counts as kept by retention.
     """
 
     def __init__(
@@ -56,9 +58,11 @@ class PosixTier:
         run_id: str | None = None,
         name: str = "local",
         expect_hash: str | None = None,
+        signer: ManifestSigner | None = None,
     ) -> None:
         self.layout = RunLayout(Path(root), dirname)
         self.expect_hash = expect_hash  # the one digest this tier's steps may use (None: any known one)
+        self.signer = signer
         self.policy: RetentionPolicy = KeepNewest(keep)
         self.run_id = run_id or dirname
         self.name = name
@@ -95,7 +99,11 @@ class PosixTier:
     # -- verification ------------------------------------------------------------------------
     def verify(self, step: int, shard: tuple[int, int] = (0, 1)) -> Manifest:
         return verify_step(
-            self.layout.step_dir(step), expect_run_id=self.run_id, shard=shard, expect_hash=self.expect_hash
+            self.layout.step_dir(step),
+            expect_run_id=self.run_id,
+            shard=shard,
+            expect_hash=self.expect_hash,
+            signer=self.signer,
         )
 
     def quarantine(self, step: int, reason: str) -> Path | None:
@@ -205,7 +213,7 @@ class PosixTier:
         verified = []
         for step in committed:
             try:
-                read_manifest(self.layout.step_dir(step))
+                read_manifest(self.layout.step_dir(step), self.signer)
                 verified.append(step)
             except VerificationError:
                 continue
@@ -252,3 +260,14 @@ def _image_of(step_dir: Path) -> str:
         return ""
     framework = body.get("framework") if isinstance(body, dict) else None
     return str(framework.get("image_digest", "")) if isinstance(framework, dict) else ""
+
+
+# Where a node keeps a rank's own steps and the replicas it holds of others (tier 1 and tier 2).
+# Here, beside the tier, not with the replication: the node's agent finds a rank's store without
+# importing the transport (torch: seconds of start-up on a loaded node).
+def primary_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
+    return PosixTier(node_root / "ranks", f"rank-{owner:05d}", keep, run_id=run_id, name="local")
+
+
+def replica_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
+    return PosixTier(node_root / "replicas", f"rank-{owner:05d}", keep, run_id=run_id, name="peer")

@@ -18,19 +18,11 @@ from pathlib import Path
 
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
-from tiering.local.posix import PosixTier
+from tiering.local.posix import PosixTier, replica_store
 from tiering.peer.transport import OutgoingStep, ReceivedStep, Transport
 from tiering.publish import publish_received
 
 log = logging.getLogger(__name__)
-
-
-def primary_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
-    return PosixTier(node_root / "ranks", f"rank-{owner:05d}", keep, run_id=run_id, name="local")
-
-
-def replica_store(node_root: Path, owner: int, run_id: str, keep: int) -> PosixTier:
-    return PosixTier(node_root / "replicas", f"rank-{owner:05d}", keep, run_id=run_id, name="peer")
 
 
 @dataclass

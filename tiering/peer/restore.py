@@ -20,8 +20,7 @@ from typing import Any
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.layout import parse_step_name
-from tiering.local.posix import PosixTier
-from tiering.peer.replication import primary_store, replica_store
+from tiering.local.posix import PosixTier, primary_store, replica_store
 from tiering.peer.transport import OutgoingStep, Transport
 from tiering.publish import publish_received
 from tiering.verify import read_manifest

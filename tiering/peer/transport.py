@@ -21,15 +21,20 @@ what it is sent. Every wait has a timeout: a dead or hung peer costs at most ``t
 Nothing a peer sends is trusted before it is checked (:mod:`tiering.peer.run_key` is the contract):
 
 * Every header carries an HMAC-SHA256 tag under the run key's ``"transport"`` channel over the
-  destination rank and the header bytes; the header holds the owner's manifest, hence every chunk
+  destination rank, a fresh nonce and the header bytes; the header holds the owner's manifest, hence every chunk
   digest, so the pieces are checked against digests only a holder of the key could have sent. A
   header that does not verify is dropped with one error line; nothing is allocated for it or
   written.
 * Before anything is allocated: the header length (``MAX_HEADER``), the file count
   (``MAX_FILES``), the piece count (``MAX_PIECES``), every size and piece size, and every name
   (no NUL or control character, no ``..``, no absolute path) are bounded and checked.
-* The receiver answers each header with an accept word; a sender streams only to receivers that
-  accepted, so a refused header leaves the pair clean for the next exchange.
+* The receiver answers each header with an accept word, ``TAG_BYTES`` bytes: the run key's tag
+  of the header's own tag (which covers a fresh nonce), or zeros for a refusal. A sender streams
+  only to a receiver whose word verifies, so a receiver without the key (a rogue that connected to
+  pull a replica) gets the header and nothing of the step, and a refused header leaves the pair
+  clean for the next exchange. What goes wrong is kept per direction: refusing a peer's header
+  never stops this rank from taking that peer's word on its own header (a mutual refusal leaves
+  no message unmatched on the pair).
 * A whole transfer has a deadline (``timeout_s`` plus its declared bytes at ``MIN_RATE``); the
   receive thread is joined with a timeout, and a receive past it is abandoned (its files removed
   by the thread when it ends): a slow or silent peer costs an error line, not the rank.
@@ -38,9 +43,11 @@ Nothing a peer sends is trusted before it is checked (:mod:`tiering.peer.run_key
 from __future__ import annotations
 
 import datetime
+import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -71,6 +78,8 @@ MAX_FILES = 10_000  # files in one transfer
 MAX_PIECES = 100_000  # pieces in one transfer (64 MiB pieces: 6 TiB)
 MIN_RATE = 50 * 1024 * 1024  # bytes/s a transfer's deadline allows for its declared bytes
 CHANNEL = "transport"  # the run key's channel for headers
+NONCE_BYTES = 16  # fresh per header: an accept word captured once never answers another header
+REFUSED = bytes(TAG_BYTES)  # the accept word of a refusal
 
 # (file index, start in the file, length): the unit of the wire, in order
 Piece = tuple[int, int, int]
@@ -300,107 +309,143 @@ class Transport:
         directory for a peer that does send something is created (tier 0 unseals the slot it
         receives into only then: a peer that sends nothing costs no copy).
         """
-        errors: dict[int, str] = {}
+        tx: dict[int, str] = {}  # what went wrong sending to a peer
+        rx: dict[int, str] = {}  # what went wrong receiving from a peer
         blobs = {dst: self._tagged_header(p, dst) if p is not None else b"" for dst, p in outgoing.items()}
-        heads, refused = self._exchange_headers(blobs, list(incoming), errors)
-        self._exchange_acks(heads, refused, [dst for dst, blob in blobs.items() if blob], list(incoming), errors)
+        heads, tags, refused = self._exchange_headers(blobs, list(incoming), tx, rx)
+        self._exchange_acks(blobs, tags, refused, list(incoming), tx, rx)
         receiving = []
         for n, (src, head) in enumerate(heads.items()):
             slots = self._slots(f"receive-{n}", max((min(size, p) for _, size, p in head["files"]), default=0))
-            rx = _Incoming(src, head, incoming[src], _expected_digests(head), slots, _deadline(head, self.timeout))
+            rx_step = _Incoming(src, head, incoming[src], _expected_digests(head), slots, _deadline(head, self.timeout))
             if before_open is not None:
                 before_open(src)
-            rx.open()
-            rx.start(self.group, self.timeout)
-            receiving.append(rx)
+            rx_step.open()
+            rx_step.start(self.group, self.timeout)
+            receiving.append(rx_step)
         accepted = {dst: p for dst, p in outgoing.items() if blobs[dst]}
-        for payload, dsts in _group_by_payload(accepted, errors):
-            self._stream(payload, dsts, errors)
-        received = {rx.src: step for rx in receiving if (step := rx.finish(errors, self.timeout)) is not None}
-        return received, errors
+        for payload, dsts in _group_by_payload(accepted, tx):
+            self._stream(payload, dsts, tx)
+        received = {r.src: step for r in receiving if (step := r.finish(rx, self.timeout)) is not None}
+        return received, _merged(rx, tx)
 
     def _exchange_headers(
-        self, blobs: dict[int, bytes], incoming: list[int], errors: dict[int, str]
-    ) -> tuple[dict[int, dict[str, Any]], set[int]]:
-        """Header sizes, then tagged headers: what each peer will send (absent: nothing). A size out
-        of bounds is refused before anything is allocated; a header whose tag does not verify, or
-        that is malformed or out of bounds, is refused before it is parsed further (one error line)."""
+        self, blobs: dict[int, bytes], incoming: list[int], tx: dict[int, str], rx: dict[int, str]
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, bytes], set[int]]:
+        """Header sizes, then tagged headers: what each peer will send (absent: nothing), with each
+        accepted header's tag (its accept word is made from it). A size out of bounds is refused
+        before anything is allocated; a header whose tag does not verify, or that is malformed or
+        out of bounds, is refused before it is parsed further (one error line). This rank's own
+        headers go out whatever it refused of its peers'."""
         sizes = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
         works = [(src, dist.irecv(sizes[src], src=src, group=self.group, tag=TAG_SIZE)) for src in incoming]
         for dst, blob in blobs.items():
             works.append((dst, dist.isend(torch.tensor([len(blob)]), dst=dst, group=self.group, tag=TAG_SIZE)))
-        self._wait(works, errors)
+        self._wait_split(works, len(incoming), rx, tx)
         recv: dict[int, torch.Tensor] = {}
         for src in incoming:
-            n = int(sizes[src].item()) if src not in errors else 0
+            n = int(sizes[src].item()) if src not in rx else 0
             if not 0 <= n <= MAX_HEADER:
-                errors[src] = f"refused a header of {n} bytes from rank {src} (0 to {MAX_HEADER >> 20} MiB)"
-                log.error("transport: %s", errors[src])
+                rx[src] = f"refused a header of {n} bytes from rank {src} (0 to {MAX_HEADER >> 20} MiB)"
+                log.error("transport: %s", rx[src])
             elif n:
                 recv[src] = torch.empty(n, dtype=torch.uint8)
         works = [(src, dist.irecv(t, src=src, group=self.group, tag=TAG_HEAD)) for src, t in recv.items()]
         for dst, blob in blobs.items():
-            if blob and dst not in errors:
+            if blob and dst not in tx:
                 tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
                 works.append((dst, dist.isend(tensor, dst=dst, group=self.group, tag=TAG_HEAD)))
-        self._wait(works, errors)
+        self._wait_split(works, len(recv), rx, tx)
         heads: dict[int, dict[str, Any]] = {}
-        refused = {src for src in incoming if src in errors and src not in recv and int(sizes[src].item()) != 0}
+        tags: dict[int, bytes] = {}
+        refused = {src for src in incoming if src in rx and src not in recv and int(sizes[src].item()) != 0}
         for src, tensor in recv.items():
-            if src in errors:
+            if src in rx:
                 continue
             try:
-                heads[src] = self._verified_header(tensor.numpy().tobytes())
+                blob = tensor.numpy().tobytes()
+                heads[src], tags[src] = self._verified_header(blob), blob[:TAG_BYTES]
             except (ValueError, KeyError, TypeError, UnicodeDecodeError, VerificationError) as exc:
-                errors[src] = f"refused the header of rank {src}: {exc}"  # nothing is posted for it
-                log.error("transport: %s", errors[src])
+                rx[src] = f"refused the header of rank {src}: {exc}"  # nothing is posted for it
+                log.error("transport: %s", rx[src])
                 refused.add(src)
-        return heads, refused
+        return heads, tags, refused
 
     def _exchange_acks(
         self,
-        heads: dict[int, dict[str, Any]],
+        blobs: dict[int, bytes],
+        tags: dict[int, bytes],
         refused: set[int],
-        sent: list[int],
         incoming: list[int],
-        errors: dict[int, str],
+        tx: dict[int, str],
+        rx: dict[int, str],
     ) -> None:
-        """Each receiver tells each sender whether it accepted the header (1) or not (0); a sender
-        streams only to those that accepted, so a refused transfer leaves no message on the pair."""
-        words = {dst: torch.zeros(1, dtype=torch.int64) for dst in sent if dst not in errors}
+        """Each receiver answers each sender's header with its accept word (the key's tag of the
+        header's tag) or zeros (refused); a sender streams only to those whose word verifies. Every
+        word a peer sends is received, whatever this rank thought of that peer's own header."""
+        words = {
+            dst: torch.zeros(TAG_BYTES, dtype=torch.uint8) for dst, blob in blobs.items() if blob and dst not in tx
+        }
         works = [(dst, dist.irecv(w, src=dst, group=self.group, tag=TAG_ACK)) for dst, w in words.items()]
-        told = [src for src in incoming if src in heads or src in refused]
+        told = [src for src in incoming if src in tags or src in refused]
         for src in told:
-            word = torch.tensor([1 if src in heads else 0], dtype=torch.int64)
+            word = torch.frombuffer(
+                bytearray(self._accept_word(tags[src]) if src in tags else REFUSED), dtype=torch.uint8
+            )
             works.append((src, dist.isend(word, dst=src, group=self.group, tag=TAG_ACK)))
-        late: dict[int, str] = {}  # a refused peer is in ``errors`` already: its "no" is still waited for
-        self._wait(works, late)
+        late: dict[int, str] = {}
+        self._wait_split(works, len(words), tx, late)
         for peer, line in late.items():
-            errors.setdefault(peer, line)
+            rx.setdefault(peer, line)
         for dst, word in words.items():
-            if dst not in errors and int(word.item()) != 1:
-                errors[dst] = f"rank {dst} refused the header sent to it (run key or bounds; see its log)"
+            if dst in tx:
+                continue
+            got = word.numpy().tobytes()
+            if got == REFUSED:
+                tx[dst] = f"rank {dst} refused the header sent to it (run key or bounds; see its log)"
+            elif not hmac.compare_digest(self._accept_word(blobs[dst][:TAG_BYTES]), got):
+                tx[dst] = (
+                    f"rank {dst} did not prove it holds the run key (its accept word does not verify); nothing sent"
+                )
+                log.error("transport: %s", tx[dst])
+
+    def _accept_word(self, header_tag: bytes) -> bytes:
+        """What a receiver holding the run key answers to a header it accepted: the key's tag of
+        the header's own tag (fresh per header: it covers the nonce)."""
+        return self._key.tag(b"accept\0" + header_tag)
+
+    def _wait_split(
+        self, works: list[tuple[int, Any]], n_first: int, first: dict[int, str], rest: dict[int, str]
+    ) -> None:
+        """Wait for ``works``: the first ``n_first`` report into ``first``, the others into ``rest``."""
+        self._wait(works[:n_first], first)
+        self._wait(works[n_first:], rest)
 
     def _tagged_header(self, payload: OutgoingStep, dst: int) -> bytes:
-        """The header for ``dst``, tagged; b"" (nothing sent, the payload failed) when it is over the
-        bounds a receiver accepts."""
+        """The header for ``dst``: its tag, a fresh nonce, the header; b"" (nothing sent, the
+        payload failed) when it is over the bounds a receiver accepts."""
         body = payload.header_bytes(self.piece)
         try:
             _checked_files(json.loads(body)["files"])
-            if TAG_BYTES + len(body) > MAX_HEADER:
+            if TAG_BYTES + NONCE_BYTES + len(body) > MAX_HEADER:
                 raise ValueError(f"{len(body)} bytes of header, over {MAX_HEADER >> 20} MiB")
         except (ValueError, VerificationError) as exc:
             log.error("transport: %s: not sent to rank %d: %s", payload.step_dir, dst, exc)
             payload.failure = payload.failure or f"{payload.step_dir}: not sent: {exc}"
             return b""
-        return self._key.tag(_bound_to(dst, body)) + body
+        nonced = secrets.token_bytes(NONCE_BYTES) + body
+        return self._key.tag(_bound_to(dst, nonced)) + nonced
 
     def _verified_header(self, blob: bytes) -> dict[str, Any]:
         """The header in ``blob`` if its tag verifies for this rank and it is within bounds."""
-        tag, body = blob[:TAG_BYTES], blob[TAG_BYTES:]
-        if len(tag) < TAG_BYTES or not self._key.verify(_bound_to(self._rank, body), tag):
+        tag, nonced = blob[:TAG_BYTES], blob[TAG_BYTES:]
+        if (
+            len(tag) < TAG_BYTES
+            or len(nonced) < NONCE_BYTES
+            or not self._key.verify(_bound_to(self._rank, nonced), tag)
+        ):
             raise ValueError("its run-key tag does not verify (a sender without this run's key, or altered)")
-        head = json.loads(body.decode("utf-8"))
+        head = json.loads(nonced[NONCE_BYTES:].decode("utf-8"))
         if not isinstance(head, dict) or not isinstance(head.get("files"), list):
             raise ValueError("not a header object with a file list")
         head["files"] = _checked_files(head["files"])
@@ -469,6 +514,11 @@ class Transport:
                     errors[peer] = _timed_out(self.timeout)
             except Exception as exc:  # gloo raises RuntimeError/DistBackendError when a peer is gone
                 errors[peer] = _one_line(exc, self.timeout)
+
+
+def _merged(rx: dict[int, str], tx: dict[int, str]) -> dict[int, str]:
+    """One error line per peer: what went wrong receiving from it, then sending to it."""
+    return {peer: "; ".join(line for line in (rx.get(peer), tx.get(peer)) if line) for peer in {**rx, **tx}}
 
 
 def _group_by_payload(
@@ -547,8 +597,8 @@ def _expected_digests(head: dict[str, Any]) -> list[ChunkedDigest | None]:
 
 
 def _bound_to(dst: int, body: bytes) -> bytes:
-    """What a header's tag covers: the destination rank, then the header (a header tagged for one
-    rank does not verify on another)."""
+    """What a header's tag covers: the destination rank, then the nonce and the header (a header
+    tagged for one rank does not verify on another)."""
     return f"to:{dst}\n".encode() + body
 
 

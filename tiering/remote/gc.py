@@ -1,7 +1,10 @@
 """Garbage collection of a run's steps in an object store: mark on one pass, delete on a later one.
 
-Kept (:class:`tiering.retention.ObjectStoreRetention`): the newest ``keep`` committed steps whose
-manifest verifies, the verified step just before them, milestones, and the step ``latest.json``
+Kept (:class:`tiering.retention.ObjectStoreRetention`): the newest ``keep`` committed steps that
+look restorable (``COMMITTED`` matches the manifest, its ``SIGNATURE`` verifies when the run is
+signed, and every object the manifest lists is there with the listed size, from one listing: an
+object overwritten or deleted after commit makes the step count as not kept), the verified step
+just before them, milestones, and the step ``latest.json``
 names; never the only verified step. A step on the run's suspect list (poisoned: it restored to a
 non-finite loss) is not counted as verified, so it never takes a good step's place among the kept.
 A marked step is deleted only once its mark is ``min_age_s`` old (one hour by default; a mark
@@ -19,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from tiering.errors import ObjectNotFound, VerificationError
+from tiering.layout import parse_step_name
 from tiering.manifest import COMMITTED_NAME
 from tiering.remote.download import read_remote_manifest
 from tiering.remote.run import RemoteRun
@@ -47,9 +51,12 @@ def gc(
 ) -> GcPlan:
     """Mark the steps beyond retention, delete those an earlier pass marked at least ``min_age_s``
     ago (nothing when ``dry_run``); ``suspects`` never count as verified."""
-    all_steps = run.steps()
+    sizes = _object_sizes(run)
+    all_steps = {step: set(objects) for step, objects in sizes.items()}
     verified = [
-        s for s in sorted(all_steps, reverse=True) if s not in suspects and _manifest_verifies(run, s, all_steps[s])
+        s
+        for s in sorted(all_steps, reverse=True)
+        if s not in suspects and _restorable(run, s, all_steps[s], sizes.get(s, {}))
     ]
     keep_set = ObjectStoreRetention(keep, milestone_every).keeps(StepView.of(verified, latest=latest_hint(run)))
     candidates = set(verified)
@@ -75,14 +82,28 @@ def gc(
     return plan
 
 
-def _manifest_verifies(run: RemoteRun, step: int, names: set[str]) -> bool:
+def _restorable(run: RemoteRun, step: int, names: set[str], sizes: dict[str, int]) -> bool:
+    """Whether ``step`` is committed, its manifest verifies (signature included), and every object
+    it lists is present with its listed size (``sizes``: relative name -> bytes, from the listing)."""
     if COMMITTED_NAME not in names:
         return False
     try:
-        read_remote_manifest(run, step)
-        return True
+        manifest, _ = read_remote_manifest(run, step)
     except VerificationError:
         return False
+    return all(sizes.get(entry.path) == entry.bytes for entry in manifest.files)
+
+
+def _object_sizes(run: RemoteRun) -> dict[int, dict[str, int]]:
+    """step -> {relative object name: size}, from one listing of the run's steps."""
+    prefix = run.key("steps") + "/"
+    out: dict[int, dict[str, int]] = {}
+    for obj in run.store.list(prefix):
+        name, _, rel = obj.key[len(prefix) :].partition("/")
+        step = parse_step_name(name)
+        if step is not None and rel:
+            out.setdefault(step, {})[rel] = obj.size
+    return out
 
 
 def _read_marks(run: RemoteRun) -> dict[int, float]:

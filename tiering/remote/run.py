@@ -6,6 +6,7 @@ Keys under ``<prefix>/<run id>/``::
     steps/step-000000123/<file>            immutable objects: chunk digests in our manifest (the hash it
                                            names: BLAKE3 for promoted steps; v1: one SHA-256), the whole
                                            digest tagged with its hash in the object's metadata
+    steps/step-000000123/SIGNATURE         the manifest's HMAC under the run key (:mod:`tiering.signature`)
     steps/step-000000123/manifest.json     uploaded after every object's size was checked
     steps/step-000000123/COMMITTED         last, bound to the manifest's SHA-256
     latest.json                            a hint, replaced with If-Match so two writers cannot both win
@@ -25,16 +26,35 @@ from tiering.errors import ObjectStoreError
 from tiering.layout import parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME
 from tiering.remote.objectstore import ObjectStore
+from tiering.signature import ManifestSigner
 
 
 class RemoteRun:
-    """The run ``run_id`` under ``prefix`` of ``store``; ``download_concurrency``: parallel GETs of a restore."""
+    """The run ``run_id`` under ``prefix`` of ``store``; ``download_concurrency``: parallel GETs of a restore.
 
-    def __init__(self, store: ObjectStore, prefix: str, run_id: str, download_concurrency: int = 8) -> None:
+    ``signer``: the run's steps are signed (:mod:`tiering.signature`): the upload carries
+    ``SIGNATURE`` and refuses a local step without a good one, the download and GC refuse a step
+    whose ``SIGNATURE`` is missing or forged. ``expect_hash``: the one digest the run's manifests
+    may use (the reshardable tier's, blake3); a manifest naming another is refused before any GET of
+    its data. None for either: not checked (tools and tests that hold no key).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        run_id: str,
+        download_concurrency: int = 8,
+        *,
+        signer: ManifestSigner | None = None,
+        expect_hash: str | None = None,
+    ) -> None:
         self.store = store
         self.run_id = run_id
         self.base = "/".join(p for p in (prefix.strip("/"), run_id) if p)
         self.download_concurrency = download_concurrency
+        self.signer = signer
+        self.expect_hash = expect_hash
 
     def key(self, *parts: str) -> str:
         return "/".join((self.base, *parts))

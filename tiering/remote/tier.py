@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tiering.collective import Collective
 from tiering.layout import RunLayout
 from tiering.manifest import Manifest
 from tiering.remote import download as remote_download
@@ -27,6 +28,7 @@ from tiering.remote.objectstore import open_store
 from tiering.remote.run import RemoteRun
 from tiering.remote.store_faults import install_s3_faults
 from tiering.remote.upload import UploadResult
+from tiering.signature import ManifestSigner
 
 __all__ = ["RemoteTier"]
 
@@ -48,18 +50,21 @@ class RemoteTier(RemoteRun):
         max_attempts: int = 5,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
+        signer: ManifestSigner | None = None,
+        expect_hash: str | None = None,
     ) -> RemoteTier:
         """The run ``run_id`` under ``uri`` (``s3://bucket/prefix`` or ``file:///path``); ``fault``
         injects deliberate S3 faults (tests and drills only); ``max_attempts``: the S3 client's tries
         per request before the error reaches the caller (whose own backoff then applies), each
-        failing after ``connect_timeout_s`` without a connection or ``read_timeout_s`` without an answer."""
+        failing after ``connect_timeout_s`` without a connection or ``read_timeout_s`` without an answer;
+        ``signer``/``expect_hash``: see :class:`tiering.remote.run.RemoteRun`."""
         store, prefix = open_store(
             uri, endpoint_url, concurrency, multipart_chunk_mb, checksum_header, connect_timeout_s, read_timeout_s,
             max_attempts,
         )  # fmt: skip
         if fault:
             install_s3_faults(store, fault)
-        return cls(store, prefix, run_id, concurrency)
+        return cls(store, prefix, run_id, concurrency, signer=signer, expect_hash=expect_hash)
 
     def acquire_lease(self, identity: str) -> None:
         remote_lease.acquire_lease(self, identity)
@@ -76,16 +81,28 @@ class RemoteTier(RemoteRun):
     def read_manifest(self, step: int) -> tuple[Manifest, bytes]:
         return remote_download.read_remote_manifest(self, step)
 
-    def download_step(self, step: int, layout: RunLayout, attempt: str) -> Path:
-        return remote_download.download_step(self, step, layout, attempt)
+    def download_step(self, step: int, layout: RunLayout, attempt: str, coll: Collective | None = None) -> Path:
+        """``coll``: every rank of it fetches a share (collective); none: this process alone."""
+        return remote_download.download_step(self, step, layout, attempt, coll)
 
     def restore_newest(
-        self, layout: RunLayout, attempt: str, exclude: set[int] | frozenset[int] = frozenset()
+        self,
+        layout: RunLayout,
+        attempt: str,
+        exclude: set[int] | frozenset[int] = frozenset(),
+        coll: Collective | None = None,
     ) -> tuple[int | None, list[tuple[int, str]]]:
-        return remote_download.restore_newest(self, layout, attempt, exclude)
+        """``coll``: every rank of it fetches a share of each step tried (collective); none: this process alone."""
+        return remote_download.restore_newest(self, layout, attempt, exclude, coll)
 
     def gc(
-        self, keep: int, milestone_every: int, dry_run: bool = True, min_age_s: float = remote_gc.MIN_AGE_S
+        self,
+        keep: int,
+        milestone_every: int,
+        dry_run: bool = True,
+        min_age_s: float = remote_gc.MIN_AGE_S,
+        suspects: frozenset[int] = frozenset(),
     ) -> GcPlan:
-        """Mark beyond retention; delete what an earlier pass marked at least ``min_age_s`` ago."""
-        return remote_gc.gc(self, keep, milestone_every, dry_run, min_age_s=min_age_s)
+        """Mark beyond retention; delete what an earlier pass marked at least ``min_age_s`` ago;
+        ``suspects`` never count as verified."""
+        return remote_gc.gc(self, keep, milestone_every, dry_run, min_age_s=min_age_s, suspects=suspects)

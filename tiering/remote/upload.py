@@ -1,8 +1,9 @@
 """Upload of a published local step to an object store, and the ``latest.json`` hint.
 
-Order: every object (resumable: one already there with the right size and digest is kept), a size
-check of each, ``manifest.json``, ``COMMITTED`` (bound to the manifest), then ``latest.json``
-(a conditional write: it never moves back). The local step is verified while its objects upload; a
+Order: the local step's ``SIGNATURE`` checked (a signed run: a step without a good one is never
+uploaded), every object (resumable: one already there with the right size and digest is kept), a
+size check of each, ``SIGNATURE``, ``manifest.json``, ``COMMITTED`` (bound to the manifest), then
+``latest.json`` (a conditional write: it never moves back). The local step is verified while its objects upload; a
 step that fails is never committed (its objects stay uncommitted garbage for GC). Called by
 :class:`tiering.remote.tier.RemoteTier` (the uploader, benchmarks); it never deletes an object.
 """
@@ -20,6 +21,7 @@ from tiering.layout import step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.remote.objectstore import PreconditionFailed
 from tiering.remote.run import RemoteRun
+from tiering.signature import SIGNATURE_NAME, read_signature
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 LATEST_NAME = "latest.json"
@@ -36,15 +38,20 @@ class UploadResult:
 def upload_step(run: RemoteRun, step_dir: Path) -> UploadResult:
     """Upload one verified local step (see the module docstring for the order)."""
     t0 = time.perf_counter()
-    manifest = read_manifest(step_dir)
+    manifest = read_manifest(step_dir, run.signer)  # the signature first: nothing is read or sent before
     if manifest.run_id != run.run_id:
         raise VerificationError(
             step_dir / MANIFEST_NAME, f"manifest belongs to run {manifest.run_id!r}, not {run.run_id!r}"
         )
     raw = (step_dir / MANIFEST_NAME).read_bytes()
+    signature = read_signature(step_dir)
+    if run.signer is not None:  # the bytes uploaded are the bytes checked (not an earlier read)
+        run.signer.check(raw, signature, step_dir / SIGNATURE_NAME)
     step = manifest.step
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-upload") as checker:
-        verified = checker.submit(verify_step, step_dir, expect_run_id=run.run_id)
+        verified = checker.submit(
+            verify_step, step_dir, expect_run_id=run.run_id, expect_hash=run.expect_hash, signer=run.signer
+        )
         skipped = _put_objects(run, step_dir, manifest)
         verified.result()  # raises VerificationError: nothing below happens
     for entry in manifest.files:
@@ -54,6 +61,8 @@ def upload_step(run: RemoteRun, step_dir: Path) -> UploadResult:
                 f"{run.where(run.step_key(step, entry.path))}: uploaded object has size "
                 f"{info.size if info else 'missing'}, manifest says {entry.bytes}; retrying"
             )
+    if signature is not None:  # checked above when this run is signed; carried as it is otherwise
+        run.store.put_bytes(run.step_key(step, SIGNATURE_NAME), signature)
     run.store.put_bytes(run.step_key(step, MANIFEST_NAME), raw)
     run.store.put_bytes(run.step_key(step, COMMITTED_NAME), committed_marker(step, raw))
     update_latest(run, step)

@@ -26,10 +26,9 @@ from tiering.collective import SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import DiskFull, TieringError, VerificationError
 from tiering.layout import parse_tmp_name
-from tiering.local.posix import PosixTier
+from tiering.local.posix import PosixTier, primary_store
 from tiering.manifest import Manifest
 from tiering.memory.slot_store import STATE_FILE, SlotStore
-from tiering.peer.replication import primary_store
 from tiering.publish import PosixStepPublisher
 from tiering.retention import KeepNewest
 from tiering.system.fsio import write_file_durably

@@ -3,7 +3,10 @@ listening socket it was given (clients that came during the imports wait in its 
 
 It stays single-threaded, so a fork copies no lock held by another thread; it refuses to serve
 (and exits, so clients run their ranks themselves) if the imports started a thread or initialised
-CUDA, which a forked child cannot use. It reaps its children through pidfds and reports each wait
+CUDA, which a forked child cannot use. NVML, which torch's NVML-based CUDA check initialises and
+never shuts down, is shut down before the first fork: the server and every rank would otherwise
+hold ``/dev/nvidiactl`` and ``/dev/nvidia*`` open for the job's life (in the way of a GPU reset or
+a MIG change by node remediation). It reaps its children through pidfds and reports each wait
 status to the client that asked for it. It watches each client too: when one ends, its rank's
 process group is SIGKILLed from here, because the rank's own watcher is a thread that cannot run
 while the rank is stopped (SIGSTOP) or a thread holds its GIL (the rank keeps that watcher for when
@@ -35,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pretrain.platform.procfs import EXIT_CODE, STATE, stat_fields
 from pretrain.resilience.standby import wire
@@ -98,6 +102,43 @@ def cuda_driver_initialised() -> bool:
     driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
     count = ctypes.c_int()
     return driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
+
+
+NVML_SUCCESS = 0
+NVML_MAX_SHUTDOWNS = 64  # more nvmlInit calls than one process's imports make (torch's checks, pynvml users)
+
+
+def nvml_library(maps: str | None = None) -> Any | None:
+    """NVML as this process mapped it (torch's NVML-based CUDA check, pynvml), or None; never loads it."""
+    if "/libnvidia-ml.so" not in (Path("/proc/self/maps").read_text() if maps is None else maps):
+        return None
+    try:
+        return ctypes.CDLL("libnvidia-ml.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:  # mapped under another name: not the one torch and pynvml open
+        return None
+
+
+def shut_nvml_down(library: Any | None) -> int:
+    """Shut NVML down in this process: every ``nvmlInit`` counts a reference and ``nvmlShutdown``
+    drops one (NVML closes its device files at the last); called until NVML answers that it is not
+    initialised. Returns the references dropped (0 without NVML)."""
+    if library is None:
+        return 0
+    for dropped in range(NVML_MAX_SHUTDOWNS):
+        if library.nvmlShutdown() != NVML_SUCCESS:
+            return dropped
+    return NVML_MAX_SHUTDOWNS
+
+
+def open_device_files(prefix: str = "/dev/nvidia") -> list[str]:
+    """The files under ``prefix`` this process holds open (what a forked rank would inherit)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(prefix):
+                held.append(target)
+    return sorted(held)
 
 
 def fork_hazard(
@@ -305,6 +346,10 @@ def main(argv: list[str]) -> None:
         print(f"standby: not serving: {hazard}; ranks import everything themselves", file=sys.stderr)
         listener.close()
         return
+    dropped = shut_nvml_down(nvml_library())
+    held = open_device_files()
+    if dropped or held:
+        print(f"standby: NVML shut down ({dropped} reference(s)); GPU device files still open: {held}", file=sys.stderr)
     print(
         f"standby: ready in {time.monotonic() - started:.1f} s ({modules} modules); ranks start as forks",
         file=sys.stderr,
