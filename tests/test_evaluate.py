@@ -1,16 +1,19 @@
 """``pretrain evaluate``: a checkpoint's validation loss as JSON, the same for the same weights at
 any topology (a TP=2 reshardable checkpoint evaluated at TP=1 and TP=2, and its tier-1 copy), and a
-corrupt checkpoint refused."""
+corrupt checkpoint, one without the training run's key and one signed by another key refused."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import PYTHON, TINY, flip_byte, job_env, overrides_for, torchrun, torchrun_prefix
+from tiering.peer.run_key import RunKey
+from tiering.signature import SIGNATURE_NAME, ManifestSigner
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +38,12 @@ def test_the_same_loss_at_any_topology(tmp_path: Path, corpus: Path) -> None:
     reshardable = train / "reshard" / "t" / "steps" / "step-000000020"
     tier1 = train / "ckpt" / "t" / "ranks" / "rank-00000" / "steps" / "step-000000020"
     ev = tmp_path / "ev"
+    # Evaluate loads only steps signed with the training run's key, read from where it is named.
+    unkeyed = _evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common))
+    # (its own run directory's key: the training run's steps do not verify under it)
+    lines = [x for x in unkeyed.stderr.splitlines() if "run key" in x and "run_key_file" in x]
+    assert unkeyed.returncode != 0 and lines and str(reshardable) in lines[0], unkeyed.stderr[-2000:]
+    common["checkpoint.integrity.run_key_file"] = str(train / "runs" / "t" / "run.key")
     at_tp1 = _result(_evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common)))
     at_tp2 = _result(_evaluate(ev, 2, reshardable, overrides_for(ev, corpus, **common, **{"parallel.tp": 2})))
     local = _result(_evaluate(ev, 2, tier1, overrides_for(ev, corpus, **common, **{"parallel.tp": 2})))
@@ -53,6 +62,15 @@ def test_the_same_loss_at_any_topology(tmp_path: Path, corpus: Path) -> None:
     remote = _result(_evaluate(ev, 1, store, overrides_for(ev, corpus, **common)))
     assert (remote["kind"], remote["step"]) == ("s3", 20)
     assert remote["loss"] == pytest.approx(at_tp1["loss"], rel=1e-5)
+
+    # A step signed by someone without the run's key (whatever else it holds) is refused unloaded.
+    good_signature = (reshardable / SIGNATURE_NAME).read_bytes()
+    forged = ManifestSigner(RunKey(os.urandom(32))).sign((reshardable / "manifest.json").read_bytes())
+    (reshardable / SIGNATURE_NAME).write_bytes(forged)
+    unsigned = _evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common))
+    lines = [x for x in unsigned.stderr.splitlines() if "signature does not verify" in x]
+    assert unsigned.returncode != 0 and lines and "run_key_file" in lines[0], unsigned.stderr[-2000:]
+    (reshardable / SIGNATURE_NAME).write_bytes(good_signature)
 
     flip_byte(next((reshardable / "model").glob("*.distcp")))
     bad = _evaluate(ev, 1, reshardable, overrides_for(ev, corpus, **common))

@@ -133,8 +133,8 @@ class ReshardableCheckpoints:
         signer: ManifestSigner | None = None,
     ) -> None:
         """``signer``: the run key's manifest signer; every step saved here gets its ``SIGNATURE``
-        and a step without a good one is never restored (:mod:`tiering.signature`). None only for
-        a tool that loads a step it was handed (``pretrain evaluate``)."""
+        and a step without a good one is never restored (:mod:`tiering.signature`). None only where
+        no tier moves or signs steps (a test of the tier alone)."""
         self.cfg = cfg
         self.phases = phases
         self.coll = coll

@@ -11,6 +11,11 @@ batches of the valid split (``data.split`` must give it a weight). The checkpoin
 * ``s3://bucket/prefix`` or ``file:///path`` (the run's tier 3, ``--step`` or the newest committed
   step): downloaded, every byte verified, then loaded as a reshardable step.
 
+A reshardable or S3 step is loaded only if its manifest's ``SIGNATURE`` verifies under the training
+run's key (``PRETRAIN_RUN_KEY_FILE``, ``checkpoint.integrity.run_key_file``, or the config's own run
+directory's ``run.key``): a step written by anyone without the key is refused before a byte of it is
+unpickled. Evaluate never creates a key; a missing one stops it in one line naming the file and the fix.
+
 This is how a team picks a checkpoint: the same weights give the same loss at any topology.
 """
 
@@ -29,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints, wait_for_writer_warmup
+from pretrain.checkpointing.run_key_source import key_path
 from pretrain.config import Config, validate
 from pretrain.errors import ConfigError
 from pretrain.evaluation import Evaluator
@@ -36,14 +42,29 @@ from pretrain.platform import cpu_shims
 from pretrain.platform.rank_device import select_rank_device
 from pretrain.session import Session, build_session
 from tiering.collective import TorchCollective
-from tiering.errors import VerificationError
+from tiering.digest import PORTABLE_HASH
+from tiering.errors import RunKeyError, VerificationError
 from tiering.layout import RunLayout
 from tiering.peer.restore import PeerRestore
+from tiering.peer.run_key import load as load_key
 from tiering.remote.tier import RemoteTier
+from tiering.signature import SIGNATURE_NAME, ManifestSigner
 from tiering.verify import verify_step
 
 
-def _load_remote(session: Session, uri: str, step: int | None, coll: TorchCollective) -> Path:
+def run_signer(cfg: Config) -> ManifestSigner:
+    """The signer of the training run's key, read (never created) from where the run keeps it."""
+    path, _ = key_path(cfg)
+    try:
+        return ManifestSigner(load_key(path))
+    except RunKeyError as exc:
+        raise ConfigError(
+            f"{exc}; evaluate loads only steps signed with the training run's key: name it with "
+            "--set checkpoint.integrity.run_key_file=PATH (or PRETRAIN_RUN_KEY_FILE)"
+        ) from exc
+
+
+def _load_remote(session: Session, uri: str, step: int | None, coll: TorchCollective, signer: ManifestSigner) -> Path:
     """Rank 0 downloads and verifies the step into a local directory every rank can read."""
     where = None
     if coll.rank == 0:
@@ -51,6 +72,7 @@ def _load_remote(session: Session, uri: str, step: int | None, coll: TorchCollec
         remote = RemoteTier.open(
             uri, session.cfg.run.id, endpoint_url=s3.endpoint_url, concurrency=s3.concurrency,
             connect_timeout_s=s3.connect_timeout_s, read_timeout_s=s3.read_timeout_s,
+            signer=signer, expect_hash=PORTABLE_HASH,
         )  # fmt: skip
         chosen = step if step is not None else next(iter(remote.committed_steps()), None)
         if chosen is None:
@@ -73,8 +95,9 @@ def _load_tier1(session: Session, path: Path) -> None:
 def load_checkpoint(session: Session, checkpoint: str, step: int | None) -> str:
     """Collective: verify and load ``checkpoint`` into the session; returns the kind loaded."""
     coll = TorchCollective()
+    signer = run_signer(session.cfg)
     if checkpoint.startswith(("s3://", "file://")):
-        path, kind = _load_remote(session, checkpoint, step, coll), "s3"
+        path, kind = _load_remote(session, checkpoint, step, coll, signer), "s3"
     else:
         path = Path(checkpoint)
         kind = "reshardable" if (path / "model").is_dir() else "local"
@@ -83,9 +106,10 @@ def load_checkpoint(session: Session, checkpoint: str, step: int | None) -> str:
     if kind == "local":
         _load_tier1(session, path)
     else:
-        ReshardableCheckpoints(session.cfg, coll, "evaluate", directory=str(path.parents[2])).load_step_dir(
-            path, session.state
+        reshardable = ReshardableCheckpoints(
+            session.cfg, coll, "evaluate", directory=str(path.parents[2]), signer=signer
         )
+        reshardable.load_step_dir(path, session.state)
     return kind
 
 
@@ -126,6 +150,12 @@ def run_evaluate(cfg: Config, checkpoint: str, step: int | None) -> int:
     try:
         result = evaluate(cfg, checkpoint, step)
     except VerificationError as exc:
+        if SIGNATURE_NAME in str(exc):  # most often: the step of another run, checked with this one's key
+            key, _ = key_path(cfg)
+            raise ConfigError(
+                f"{checkpoint}: its signature does not verify under the run key {key}: {exc}; a step of "
+                "another run needs that run's key: --set checkpoint.integrity.run_key_file=PATH"
+            ) from exc
         raise ConfigError(f"{checkpoint}: does not verify: {exc}") from exc
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(result), flush=True)
