@@ -27,7 +27,7 @@ from tests.helpers import PYTHON
 from tests.test_s3_tier import KEY_SECRET, RUN, SIGNER, run_key_file  # noqa: F401 (the fixture: autouse here too)
 from tiering.collective import SingleProcess
 from tiering.digest import LOCAL_HASH, PORTABLE_HASH, HashSpec
-from tiering.errors import VerificationError
+from tiering.errors import AlreadyCommitted, VerificationError
 from tiering.layout import RunLayout
 from tiering.local.posix import PosixTier
 from tiering.local.restore import select_newest_verified
@@ -37,6 +37,7 @@ from tiering.remote.objectstore import open_store
 from tiering.remote.tier import RemoteTier
 from tiering.remote.uploader import Uploader
 from tiering.signature import SIGNATURE_NAME, ManifestSigner
+from tiering.verify import read_manifest
 
 ROGUE = ManifestSigner(RunKey(bytes(reversed(range(32)))))  # a key that is not the run's
 
@@ -167,6 +168,29 @@ def test_the_uploader_carries_the_signature_and_never_promotes_a_forged_step(
     assert remote.committed_steps() == [10], "the forged step was never promoted"
     sig, _ = remote.store.get_bytes(remote.step_key(10, SIGNATURE_NAME))
     assert sig == (signed / SIGNATURE_NAME).read_bytes()
+
+
+def test_a_committed_s3_step_is_never_overwritten(
+    remote_uri: tuple[str, str | None], tmp_path: Path, models: tuple[Path, Path, Path]
+) -> None:
+    """Step 10 committed; a second step 10 signed with the run's key but holding other bytes (a
+    re-run, a confused second uploader) is refused before any object is written, and the same step
+    uploaded again is done without a write."""
+    good, bad, _ = models
+    remote = _remote(*remote_uri, SIGNER, PORTABLE_HASH)
+    first_dir = _publish(tmp_path / "first", 10, good, SIGNER)
+    first = remote.upload_step(first_dir)
+    before = {o.key: remote.store.get_bytes(o.key)[0] for o in remote.store.list(remote.base + "/")}
+    other = _publish(tmp_path / "other", 10, bad, SIGNER)
+    with pytest.raises(AlreadyCommitted) as refused:
+        remote.upload_step(other)
+    assert "\n" not in str(refused.value) and "fix:" in str(refused.value)
+    assert remote.where(remote.step_key(10, "COMMITTED")) in str(refused.value)
+    after = {o.key: remote.store.get_bytes(o.key)[0] for o in remote.store.list(remote.base + "/")}
+    assert after == before, "not one object of the committed step changed"
+    again = remote.upload_step(first_dir)  # an uploader that died after its commit, restarted
+    assert first.skipped_objects == 0 and again.skipped_objects == len(read_manifest(first_dir).files)
+    assert {o.key: remote.store.get_bytes(o.key)[0] for o in remote.store.list(remote.base + "/")} == before
 
 
 def test_a_signed_s3_manifest_naming_another_digest_is_refused(

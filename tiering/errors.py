@@ -52,6 +52,10 @@ class ReplicaRejected(VerificationError):
     """A copy received from a peer does not match its manifest (or the run/step it claims)."""
 
 
+class AlreadyCommitted(VerificationError):
+    """A step that the object store already holds committed with another manifest: never overwritten."""
+
+
 class RunKeyError(TieringError):
     """The run key file is missing, unreadable, too short, or readable by others (one line, the fix)."""
 

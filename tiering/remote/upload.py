@@ -6,6 +6,11 @@ size check of each, ``SIGNATURE``, ``manifest.json``, ``COMMITTED`` (bound to th
 ``latest.json`` (a conditional write: it never moves back). The local step is verified while its objects upload; a
 step that fails is never committed (its objects stay uncommitted garbage for GC). Called by
 :class:`tiering.remote.tier.RemoteTier` (the uploader, benchmarks); it never deletes an object.
+
+A committed step is never overwritten: a step already committed with the same manifest is done (an
+uploader that died after its commit), one committed with another manifest is refused
+(:class:`tiering.errors.AlreadyCommitted`) before any object is written, and the ``COMMITTED`` marker is
+a conditional write (``If-None-Match: *``), so of two writers racing for a step only one commits.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiering.errors import CheckpointError, ObjectNotFound, VerificationError
+from tiering.errors import AlreadyCommitted, CheckpointError, ObjectNotFound, VerificationError
 from tiering.layout import step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.remote.objectstore import PreconditionFailed
@@ -48,6 +53,9 @@ def upload_step(run: RemoteRun, step_dir: Path) -> UploadResult:
     if run.signer is not None:  # the bytes uploaded are the bytes checked (not an earlier read)
         run.signer.check(raw, signature, step_dir / SIGNATURE_NAME)
     step = manifest.step
+    if _committed_already(run, step, raw):
+        update_latest(run, step)
+        return UploadResult(step, manifest.total_bytes, time.perf_counter() - t0, len(manifest.files))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-upload") as checker:
         verified = checker.submit(
             verify_step, step_dir, expect_run_id=run.run_id, expect_hash=run.expect_hash, signer=run.signer
@@ -64,9 +72,31 @@ def upload_step(run: RemoteRun, step_dir: Path) -> UploadResult:
     if signature is not None:  # checked above when this run is signed; carried as it is otherwise
         run.store.put_bytes(run.step_key(step, SIGNATURE_NAME), signature)
     run.store.put_bytes(run.step_key(step, MANIFEST_NAME), raw)
-    run.store.put_bytes(run.step_key(step, COMMITTED_NAME), committed_marker(step, raw))
+    try:
+        run.store.put_bytes(run.step_key(step, COMMITTED_NAME), committed_marker(step, raw), if_none_match=True)
+    except PreconditionFailed:  # another writer committed it between our check and now
+        if not _committed_already(run, step, raw):
+            raise
     update_latest(run, step)
     return UploadResult(step, manifest.total_bytes, time.perf_counter() - t0, skipped)
+
+
+def _committed_already(run: RemoteRun, step: int, raw: bytes) -> bool:
+    """Whether ``step`` is committed in the store with the manifest ``raw`` (then nothing is left to
+    do); raises AlreadyCommitted if it is committed with another one."""
+    if run.store.head(run.step_key(step, COMMITTED_NAME)) is None:
+        return False
+    try:
+        theirs, _ = run.store.get_bytes(run.step_key(step, MANIFEST_NAME))
+    except ObjectNotFound:
+        theirs = b""
+    if theirs == raw:
+        return True
+    raise AlreadyCommitted(
+        run.where(run.step_key(step, COMMITTED_NAME)),
+        f"step {step} is already committed there with another manifest; an upload never overwrites a committed step",
+        "fix: keep the committed step (delete it with its run's retention tools if it is bad, then upload again)",
+    )
 
 
 def _put_objects(run: RemoteRun, step_dir: Path, manifest: Manifest) -> int:
