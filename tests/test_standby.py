@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -110,6 +111,31 @@ def test_the_jobs_signals_leave_the_server_serving(server_env: tuple[dict[str, s
     done = subprocess.run([*RANK, "report", "5"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 5 and json.loads(done.stdout)["ppid"] == server.pid, done.stderr
     assert server.status() != psutil.STATUS_ZOMBIE
+
+
+def test_a_silent_or_malformed_client_costs_its_connection_never_the_server(
+    server_env: tuple[dict[str, str], psutil.Process],
+) -> None:
+    """A same-user process that connects and never speaks, and clients whose requests are not JSON,
+    not an object, or of the wrong types: each is dropped (its passed descriptors closed), and a real
+    rank start behind them is served once the silent one has timed out."""
+    env, server = server_env
+    silent = wire.connect(env[ENV])
+    stdio = [*(os.open(os.devnull, os.O_RDWR) for _ in range(3)), os.pidfd_open(os.getpid())]
+    try:
+        bad_frames = [b"{not json", b"[1, 2]", json.dumps({"module": 7, "argv": [], "env": {}, "cwd": "/"}).encode()]
+        for frame in bad_frames:
+            with wire.connect(env[ENV]) as bad:
+                socket.send_fds(bad, [frame], stdio)
+                assert bad.recv(64) == b"", "the server closes a malformed request without forking"
+        open_before = len(server.open_files()) + server.num_fds()
+        done = subprocess.run([*RANK, "report", "3"], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 3 and "does not answer" not in done.stderr, done.stderr
+        assert json.loads(done.stdout)["ppid"] == server.pid, "served by the server, after the silent client"
+        assert server.is_running() and server.num_fds() <= open_before, "no descriptor of a dropped request kept"
+    finally:
+        silent.close()
+        wire.close_all(stdio)
 
 
 def test_a_killed_client_takes_its_rank_and_everything_the_rank_started(

@@ -193,25 +193,19 @@ class Server:
 
     def _accept(self) -> RankRequest | None:
         conn, _ = self.listener.accept()
+        fds: list[int] = []
         try:
             wire.require_same_user(conn)
+            conn.settimeout(wire.REQUEST_TIMEOUT_S)  # a silent client costs its connection, not the server
             message, fds = wire.receive(conn, wire.STDIO_AND_PIDFD)
-        except (OSError, ValueError) as exc:  # a stranger, or a client gone before it spoke
+            request = None if message is None else wire.parse_request(message, fds)
+        except (OSError, ValueError) as exc:  # a stranger, a client gone or silent, a malformed request
             print(f"standby: dropped a connection: {exc}", file=sys.stderr)
+            request = None
+        if request is None:
+            wire.close_all(fds)
             conn.close()
             return None
-        if message is None or len(fds) != wire.STDIO_AND_PIDFD:
-            conn.close()
-            return None
-        request = RankRequest(
-            message["module"],
-            message["argv"],
-            message["env"],
-            message["cwd"],
-            fds[:3],
-            fds[3],
-            message.get("placement", {}),
-        )
         pid = os.fork()
         if pid == 0:
             self._become_child(conn)

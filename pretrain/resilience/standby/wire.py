@@ -25,6 +25,9 @@ SHARED_ENV = "PRETRAIN_STANDBY_SHARED"
 AGENT_ENV = "PRETRAIN_AGENT_PID"  # the launcher that started the client: the rank's real parent is the server
 MAX_FRAME = 4 << 20  # an environment of a few MB is already absurd
 STDIO_AND_PIDFD = 4
+# How long the server waits for a connected client's request: a client stopped between connect and
+# send (or any same-user process that connects and stays silent) must not hold every later start.
+REQUEST_TIMEOUT_S = 5.0
 # Signals for the job (Slurm's --signal and scancel, a terminal's ^C) that reach every process of a
 # step: the server ignores them, a forked rank handles them as Python does by default.
 JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -79,11 +82,41 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
         sock.send(data)
 
 
+def parse_request(message: dict[str, Any], fds: list[int]) -> RankRequest:
+    """The request a client sent, its types checked (ValueError naming the field otherwise): a
+    malformed frame costs that connection, never the server."""
+    if len(fds) != STDIO_AND_PIDFD:
+        raise ValueError(f"{len(fds)} file descriptors, not {STDIO_AND_PIDFD} (stdin, stdout, stderr, pidfd)")
+    checks = {
+        "module": lambda v: isinstance(v, str) and v != "",
+        "argv": lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+        "env": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
+        "cwd": lambda v: isinstance(v, str),
+        "placement": lambda v: isinstance(v, dict),
+    }
+    for name, valid in checks.items():
+        if not valid(message.get(name, {} if name == "placement" else None)):
+            raise ValueError(f"request field {name!r} missing or of the wrong type")
+    module, argv, env, cwd = message["module"], message["argv"], message["env"], message["cwd"]
+    return RankRequest(module, argv, env, cwd, fds[:3], fds[3], message.get("placement", {}))
+
+
 def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
     """The next frame and the fds that came with it; (None, []) when the peer closed."""
     data, fds, _flags, _addr = socket.recv_fds(sock, MAX_FRAME, max_fds)
-    if not data:
-        for fd in fds:
-            os.close(fd)
+    try:
+        message = json.loads(data) if data else None
+        if message is not None and not isinstance(message, dict):
+            raise ValueError(f"a frame of {type(message).__name__}, not an object")
+    except ValueError:  # json's errors are ValueErrors: the fds must not leak with the frame
+        close_all(fds)
+        raise
+    if message is None:
+        close_all(fds)
         return None, []
-    return json.loads(data), fds
+    return message, fds
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
