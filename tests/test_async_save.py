@@ -206,7 +206,7 @@ def test_retention_keeps_steps_in_use(tmp_path: Path) -> None:
     pin = tier.pin(10, "upload")  # the uploader is still sending step 10
     pub.commit(in_flight, manifest_for("run", 20, 1, {"tp": 1, "pp": 1, "dp": 1}))
     assert tier.apply_retention() == [] and tier.committed_steps() == [20, 10]
-    pin.unlink()
+    pin.release()
     assert tier.apply_retention() == [10] and tier.committed_steps() == [20]
     assert json.loads((tier.layout.latest_path).read_text())["step"] == 20
 

@@ -416,7 +416,7 @@ class ReshardableCheckpoints:
             rng_restored = self._load(path, state)
         finally:
             if pin is not None:
-                pin.unlink(missing_ok=True)
+                pin.release()
         return RestoreResult(
             self.name, selection.step, time.perf_counter() - t0, verify_s, rng_restored, selection.rejected, path
         )

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiering.errors import VerificationError
-from tiering.layout import RunLayout, parse_step_name, parse_tmp_name, step_name
+from tiering.layout import RunLayout, parse_step_name, parse_tmp_name
+from tiering.local.pins import StepPin, held_steps
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.retention import KeepNewest, RetentionPolicy
 from tiering.signature import ManifestSigner
@@ -156,32 +157,12 @@ class PosixTier:
         return removed
 
     # -- pins: a step in use by another process (an upload, a restore) is never deleted ----------
-    def pin(self, step: int, holder: str) -> Path:
-        pins = self.layout.run_dir / "pins"
-        pins.mkdir(parents=True, exist_ok=True)
-        path = pins / f"{step_name(step)}.{holder}.{os.getpid()}"
-        path.write_text(str(os.getpid()))
-        return path
+    def pin(self, step: int, holder: str) -> StepPin:
+        """A lease on ``step`` for this process (see :mod:`tiering.local.pins`); release it when done."""
+        return StepPin(self.layout.run_dir / "pins", step, holder)
 
     def pinned_steps(self) -> set[int]:
-        pins = self.layout.run_dir / "pins"
-        out: set[int] = set()
-        if not pins.is_dir():
-            return out
-        for path in pins.iterdir():
-            step = parse_step_name(path.name.split(".")[0])
-            pid = path.name.rsplit(".", 1)[-1]
-            if step is None or not pid.isdigit():
-                continue
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                path.unlink(missing_ok=True)  # its holder is gone
-                continue
-            except PermissionError:
-                pass
-            out.add(step)
-        return out
+        return held_steps(self.layout.run_dir / "pins")
 
     def make_room(self, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """A full volume: drop every step but the newest verified one (and pinned and ``protected``

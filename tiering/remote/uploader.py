@@ -158,7 +158,7 @@ class Uploader:
                 log.warning("staging step %d disappeared before upload (retention); skipping", step)
                 continue
             finally:
-                pin.unlink(missing_ok=True)
+                pin.release()
             log.info(
                 "promoted step %d: %.1f MB in %.2fs (%.0f MB/s)%s",
                 step,
