@@ -123,6 +123,7 @@ class Tiers:
     steps: int
     committed_steps: list[int] = field(default_factory=list)
     memory: ScriptedTier | None = None
+    stall_s: float = 5.0  # the tiers' longest stall deadline
 
     @property
     def tier1(self) -> ScriptedTier | None:
@@ -147,6 +148,9 @@ class Tiers:
     def in_flight_count(self) -> int:
         return sum(t.in_flight is not None for t in self.background_tiers())
 
+    def stall_deadline_s(self) -> float:
+        return self.stall_s
+
     def committed(self, step: int) -> None:
         self.committed_steps.append(step)
 
@@ -163,6 +167,15 @@ class SectionLog(RankMonitor):
 
     def end(self, section: str) -> None:
         self.calls.append(("end", section))
+
+
+class BeatLog(RankMonitor):
+    """The rank monitor without a launcher, recording each heartbeat into ``calls`` (a tier's)."""
+
+    calls: list[tuple[str, int]]
+
+    def beat(self) -> None:
+        self.calls.append(("beat", 0))
 
 
 def _manager(
@@ -221,8 +234,9 @@ def test_a_save_due_while_one_is_in_flight_is_skipped_but_never_the_final_one(tm
     manager.finish()
     assert [s for c, s in tiers.local.calls if c == "start"] == [10, 30]
     assert [(e["step"], e["in_flight"]) for e in _events(tmp_path, "save_skipped")] == [(20, 10)]
-    # The final step found step 10's write done by then (12 polls): it started, and finish() waited.
-    assert ("blocking publish", 30) in tiers.local.calls
+    # The final step found step 10's write done by then (12 polls): it started, and finish() polled
+    # it until it was published.
+    assert tiers.local.calls[-1] == ("publish", 30) and 30 in tiers.committed_steps
 
 
 def test_a_save_due_while_one_is_in_flight_waits_for_it_by_default(tmp_path: Path) -> None:
@@ -232,6 +246,26 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it_by_default(tmp_path: Pat
     manager.finish()
     assert tiers.local.calls[0:3] == [("start", 10), ("blocking publish", 10), ("start", 20)]
     assert not _events(tmp_path, "save_skipped")
+
+
+@pytest.mark.parametrize("stall_s", [5.0, 0.15])
+def test_finish_polls_the_final_save_with_a_heartbeat_after_each_poll_up_to_the_stall_deadline(
+    tmp_path: Path, stall_s: float
+) -> None:
+    """The final saves are waited for as a step waits for a save in flight: one non-blocking poll,
+    then a heartbeat (a heartbeat timeout shorter than the save must not kill a rank that is
+    saving); past the tiers' longest stall deadline, what is left is waited for without them."""
+    writes = 3 if stall_s == 5.0 else 4  # the write ends after that many non-blocking polls
+    tiers = Tiers(ScriptedTier("local", 10, write_polls=writes), None, steps=10, stall_s=stall_s)
+    manager, state, _ = _manager(tmp_path, tiers, monitor=BeatLog)
+    manager.monitor.calls = tiers.local.calls  # type: ignore[attr-defined]
+    _train(manager, state, range(1, 11))
+    manager.finish()
+    if stall_s == 5.0:  # the step's own poll, two more polls and heartbeats, then the publish and its heartbeat
+        assert tiers.local.calls == [("start", 10), ("beat", 0), ("beat", 0), ("publish", 10), ("beat", 0)]
+    else:  # rounds of 0.1 s: two polls with their heartbeats, then one blocking wait
+        assert tiers.local.calls == [("start", 10), ("beat", 0), ("beat", 0), ("blocking publish", 10)]
+    assert tiers.committed_steps == [10]
 
 
 def test_a_save_due_while_one_stopped_writing_is_skipped_but_the_final_one_waits(tmp_path: Path) -> None:

@@ -9,14 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.commands.demo import FT_CONFIG
 from tests.helpers import run_verb
 
 pytestmark = pytest.mark.slow
 
+# The drill runs six jobs one after the other; in CI at load 9-14 on 2 cores it was still in its
+# fifth when the 360 s this test allowed ran out (SIGTERM to its launcher). A deadline for a wedged
+# drill, not a speed target: the drill's own numbers are in its report.
+DRILL_DEADLINE_S = 1080
 
+
+@pytest.mark.timeout(DRILL_DEADLINE_S + 120)
 def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
     work = tmp_path / "drill"
-    proc = run_verb(tmp_path, "drill", work, timeout=360)
+    proc = run_verb(tmp_path, "drill", work, timeout=DRILL_DEADLINE_S)
     report = json.loads((work / "drill-report.json").read_text())
     failed = [c for c in report["checks"] if not c["passed"]]
     assert proc.returncode == 0 and report["passed"] and not failed, failed or proc.stdout[-3000:]
@@ -35,7 +42,9 @@ def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
     ]
     first = report["recoveries"][0]
     assert first["restored"] == {"tier": "local", "step": 100, "seconds": first["restored"]["seconds"]}
-    assert first["lost_steps"] == 34 and 0 < first["rto_seconds"] < 60
+    # recovered on the kill's exit, not on the heartbeat timeout (which a hung rank would have needed)
+    heartbeat_s = FT_CONFIG["fault_tolerance"]["rank_heartbeat_timeout"]
+    assert first["lost_steps"] == 34 and 0 < first["rto_seconds"] < heartbeat_s, first
     tier0 = [r for r in report["recoveries"] if (r["restored"] or {}).get("tier") == "memory"]
     assert len(tier0) == 1 and tier0[0]["lost_steps"] <= 1, report["recoveries"]
     assert report["save_seconds"]["local"] and report["load_seconds"]

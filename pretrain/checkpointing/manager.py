@@ -15,6 +15,8 @@ ranks call it at the same step with the same arguments.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable
 
 from pretrain.checkpointing.reporting import SaveReport
@@ -29,6 +31,7 @@ from pretrain.resilience.rank_monitor import RankMonitor
 from tiering.errors import PublishError
 
 log = logging.getLogger("pretrain")
+FINISH_POLL_S = 0.1  # between finish()'s polls of the final saves (each a status exchange among the ranks)
 
 
 class CheckpointManager:
@@ -125,7 +128,25 @@ class CheckpointManager:
 
     # -- end -------------------------------------------------------------------------------------
     def finish(self) -> None:
-        """The final step's saves must be durable (and replicated) before the attempt counts as done."""
+        """The final step's saves must be durable (and replicated) before the attempt counts as done.
+
+        Waited for as training waits for a save in flight: a non-blocking poll (collective), then a
+        heartbeat, until no tier has one on any rank. The launcher's heartbeat timeout then judges
+        each poll, as it judges each step, not the whole save: one blocking wait sent no heartbeat
+        until the slowest tier published (reshardable saves took 9 s in CI at load 9-14 on 2 cores,
+        and an 8 s heartbeat timeout killed every rank of a run that had trained to its last step;
+        the restart only restored that step). A lost peer blocks a poll's collective (heartbeats
+        stop, the timeout finds it); tiers 1 and 2 end a save that stops progressing by their stall
+        deadlines. Heartbeats go on for that long at most (as many rounds on every rank); a save
+        still in flight then is waited for without them, as before."""
+        rounds = math.ceil(self.tiers.stall_deadline_s() / FINISH_POLL_S)  # collective: agreed
+        for _ in range(rounds):
+            if not any([tier.busy() for tier in self.tiers.background_tiers()]):  # collective: every tier asked
+                return
+            self._beyond_a_step([])  # as a step does: whether the next poll may finalize (collective)
+            self._poll(block=False)
+            self.monitor.beat()
+            time.sleep(FINISH_POLL_S)
         self._poll(block=True)
 
     def abandon(self) -> None:

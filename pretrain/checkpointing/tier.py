@@ -93,6 +93,11 @@ class TierSet(Protocol):
 
     def in_flight_count(self) -> int: ...
 
+    def stall_deadline_s(self) -> float:
+        """Collective (the same on every rank): the longest any tier lets a save in flight go on
+        before it calls that save stalled; 0 when no tier has such a deadline."""
+        ...
+
     def committed(self, step: int) -> None:
         """A save of ``step`` was published (in the foreground or the background)."""
         ...

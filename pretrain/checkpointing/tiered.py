@@ -235,6 +235,18 @@ class TieredCheckpointer:
     def in_flight_count(self) -> int:
         return sum(t.in_flight is not None for t in self.background_tiers())
 
+    def stall_deadline_s(self) -> float:
+        """Collective: the longest stall deadline of the tiers that have one (tier 1's grows with
+        this rank's slowest save: the largest over the ranks); tier 0 writes to memory, and has none."""
+        deadlines = [0.0]
+        if self.local is not None:
+            deadlines.append(self.local.stall_deadline())
+        if self.reshardable is not None:
+            deadlines.append(self.reshardable.storage.deadline())
+        if self.agent is not None:
+            deadlines.append(self.agent.stall_deadline_s)
+        return max(self.coll.all_gather(max(deadlines)))
+
     def committed(self, step: int) -> None:
         """A save of ``step`` was published (in the foreground or the background)."""
         if self.coll.rank == 0 and step in self.suspect_steps():
