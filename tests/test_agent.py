@@ -155,6 +155,13 @@ def persisted(link: AgentLink, rank: int, step: int) -> bool:
     return step in answer["ranks"].get(str(rank), {}).get("persisted", [])
 
 
+def _persisted_in_status(path: Path) -> dict[str, list[int]] | None:
+    """The persisted steps by rank in the agent's status file, None before it is first written."""
+    if not path.exists():
+        return None
+    return {r: v["persisted"] for r, v in json.loads(path.read_text())["ranks"].items()}
+
+
 def test_two_ranks_share_one_agent_that_persists_both_and_writes_its_status(shm_dir: Path, tmp_path: Path) -> None:
     spec = spec_for(shm_dir, tmp_path)
     links = [AgentLink(spec), AgentLink(spec)]
@@ -166,11 +173,10 @@ def test_two_ranks_share_one_agent_that_persists_both_and_writes_its_status(shm_
         assert len(pids) == 1  # one agent for the node's run, whoever started it
         for rank, link in enumerate(links):
             wait_for(lambda r=rank, lk=link: persisted(lk, r, 10))
-        status = json.loads((tmp_path / "runs" / RUN / "agents" / f"{os.uname().nodename}.json").read_text())
-        assert status["pid"] in pids and {r: v["persisted"] for r, v in status["ranks"].items()} == {
-            "0": [10],
-            "1": [10],
-        }
+        # The status file follows the answers: the worker writes it after each request it finished.
+        status_file = tmp_path / "runs" / RUN / "agents" / f"{os.uname().nodename}.json"
+        wait_for(lambda: _persisted_in_status(status_file) == {"0": [10], "1": [10]})
+        assert json.loads(status_file.read_text())["pid"] in pids
         # A second agent for the same run finds the address taken and exits at once, serving nothing.
         second = subprocess.run(
             [sys.executable, "-m", "pretrain.checkpointing.agent", "--spec", json.dumps(spec.__dict__)],
@@ -227,14 +233,15 @@ def test_an_agent_killed_mid_copy_publishes_nothing_torn_and_a_new_agent_persist
 
 
 def test_a_stopped_agent_costs_a_rank_one_timeout_never_a_hang(shm_dir: Path, tmp_path: Path) -> None:
-    link = AgentLink(spec_for(shm_dir, tmp_path), timeout_s=0.5)
+    timeout_s = 0.5
+    link = AgentLink(spec_for(shm_dir, tmp_path), timeout_s=timeout_s)
     pid = link.request({"op": "status", "rank": 0})["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         with pytest.raises(AgentGone, match="no answer"):
             link.request({"op": "status", "rank": 0})
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 10 * timeout_s  # one timeout (slack for a loaded machine), not a hang
     finally:
         os.kill(pid, signal.SIGKILL)
         link.close()
@@ -286,7 +293,8 @@ def test_tier1_through_the_agent_publishes_every_save_and_resumes_bit_exact_from
             manifest = verify_step(store.step_path(step), expect_run_id=RUN)
             assert manifest.extra["persisted_by"] == "agent", (rank, step)
     wait_for(lambda: not agents_serving(shm_dir), timeout=30)
-    assert "newest tier-1 step by rank {'0': 17, '1': 17}" in format_status(job / "runs" / RUN)
+    # The agent writes its last status after it stopped listening: wait for it, not for the socket.
+    wait_for(lambda: "newest tier-1 step by rank {'0': 17, '1': 17}" in format_status(job / "runs" / RUN))
     saves = [e for e in events(job / "runs" / RUN) if e["event"] == "save" and e.get("tier") == "local"]
     assert {e["step"] for e in saves} == {5, 10, 15, 17}
     assert steps_dir.is_dir()

@@ -88,6 +88,9 @@ class Agent:
         )
         self.jobs: queue.Queue[Persist | None] = queue.Queue()
         self.lock = threading.Lock()  # the drain's progress, read by status requests
+        # One status write at a time, its snapshot taken inside: the worker's write after a request
+        # and the reporter's periodic one never land out of order (an older snapshot last).
+        self.status_write = threading.Lock()
         self.current: tuple[Persist, float] | None = None  # the request being persisted, since when
         self.queued: list[Persist] = []
         self.last_error: str | None = None
@@ -131,11 +134,12 @@ class Agent:
             time.sleep(every_s)
 
     def _write_status(self) -> None:
-        try:
-            self.status_path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.status_path, (json.dumps(self.status()) + "\n").encode(), durable=False)
-        except OSError as exc:
-            log.warning("agent: status not written to %s: %s", self.status_path, exc.strerror or exc)
+        with self.status_write:
+            try:
+                self.status_path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.status_path, (json.dumps(self.status()) + "\n").encode(), durable=False)
+            except OSError as exc:
+                log.warning("agent: status not written to %s: %s", self.status_path, exc.strerror or exc)
 
     def status(self, rank: int | None = None) -> dict[str, Any]:
         with self.lock:
