@@ -169,7 +169,10 @@ def test_a_save_due_while_one_is_in_flight(tmp_path: Path, corpus: Path, policy:
             "checkpoint.reshardable.interval": 1000,
             "checkpoint.async.when_busy": policy,
             "fault_tolerance.inject.writer_fault_at_step": 10,
-            "fault_tolerance.inject.writer_fault": "slow",  # 0.6 s: step 15 (and maybe 20) comes due meanwhile
+            # Step 15 (and later ones) come due while the save of step 10 is in flight: 5 steps
+            # take a fraction of a second on an idle machine, a few seconds on a loaded one.
+            "fault_tolerance.inject.writer_fault": "slow",
+            "fault_tolerance.inject.writer_slow_seconds": 10,
         },
     )
     torchrun(tmp_path, 2, over)

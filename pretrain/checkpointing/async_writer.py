@@ -132,11 +132,13 @@ class BackgroundWrite:
         buffers: SnapshotBuffers | None = None,
         prepare: Callable[[], object] | None = None,
         hashing: HashSpec = DEFAULT_HASHING,
+        slow_s: float = 0.6,
     ) -> None:
         """``prepare`` (e.g. creating the step's temporary directory) runs in the writer, before
         the write: file-system metadata calls can stall for long under heavy writeback, and
         that is no reason to hold up training. ``hashing``: the chunked digest computed while
-        writing (its thread count bounds the writer's extra CPU)."""
+        writing (its thread count bounds the writer's extra CPU). ``slow_s``: the extra seconds
+        of a ``slow`` fault (tests: a slow file system)."""
         self.mode = mode
         self.path = path
         self.hashing = hashing
@@ -161,7 +163,7 @@ class BackgroundWrite:
             self._pid = os.fork()
             if self._pid == 0:  # the child: write, fsync, leave without running any parent cleanup
                 os.close(read_fd)
-                _child_write(payload, path, fault, write_fd, prepare, hashing)
+                _child_write(payload, path, fault, write_fd, prepare, hashing, slow_s)
             os.close(write_fd)
             self._report_fd = read_fd
             self._snapshot_done.set()
@@ -174,7 +176,7 @@ class BackgroundWrite:
             # restart never keeps a model's worth of device memory alive.
             box = [staged]
             del staged
-            self._written = _WRITER.submit(lambda: self._write_thread(box, buffers, fault, prepare, produced))
+            self._written = _WRITER.submit(lambda: self._write_thread(box, buffers, fault, prepare, produced, slow_s))
 
     @property
     def pid(self) -> int | None:
@@ -203,6 +205,7 @@ class BackgroundWrite:
         fault: str | None,
         prepare: Callable[[], object] | None,
         produced: Any = None,
+        slow_s: float = 0.6,
     ) -> None:
         try:
             try:
@@ -213,7 +216,7 @@ class BackgroundWrite:
             if prepare is not None:
                 prepare()
             if fault == "slow":
-                time.sleep(0.6)
+                time.sleep(slow_s)
             _maybe_bug(fault)
             self._digest = write_file_durably(self.path, lambda fh: save_state(self._snapshot, fh), self.hashing)
             if fault == "fail":
@@ -498,6 +501,7 @@ def _child_write(
     report_fd: int,
     prepare: Callable[[], object] | None,
     hashing: HashSpec,
+    slow_s: float,
 ) -> None:
     code = 0
     report: dict[str, Any] = {}
@@ -508,7 +512,7 @@ def _child_write(
         if fault == "hang":  # tests: a writer that never finishes (killed from outside)
             time.sleep(3600)
         if fault == "slow":  # tests: a slow filesystem
-            time.sleep(0.6)
+            time.sleep(slow_s)
         if prepare is not None:
             prepare()
         _maybe_bug(fault)

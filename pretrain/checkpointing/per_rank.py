@@ -339,7 +339,14 @@ class PerRankCheckpoints:
                 self.publisher.begin(step, expected, lambda: self._make_room(step))
 
             entry["write"] = BackgroundWrite(
-                mode, payload, tmp / STATE_FILE, fault, buffers, prepare=make_tmp_dir, hashing=self.hashing
+                mode,
+                payload,
+                tmp / STATE_FILE,
+                fault,
+                buffers,
+                prepare=make_tmp_dir,
+                hashing=self.hashing,
+                slow_s=self.cfg.fault_tolerance.inject.writer_slow_seconds,
             )
         except (TieringError, OSError) as exc:  # storage said no; a bug (TypeError, ...) fails the attempt
             entry["error"] = str(exc)

@@ -35,6 +35,9 @@ class FaultInjectionConfig:
     writer_fault_at_step: int = -1
     writer_fault: str | None = None  # fail, hang, slow or bug
     writer_fault_rank: int = 0  # the rank whose writer is faulted
+    # The extra seconds of a "slow" writer: long enough for the next save to come due meanwhile
+    # at the test's speed (a loaded machine trains several times slower than an idle one).
+    writer_slow_seconds: float = 0.6
     # The reshardable tier's forked writer (Megatron's) of the save at writer_fault_at_step on
     # writer_fault_rank: "hang" (it never writes and never ends, until killed from outside).
     staging_writer_fault: str | None = None
@@ -61,6 +64,8 @@ class FaultInjectionConfig:
             fail(
                 "staging_writer_fault", f"unknown fault {self.staging_writer_fault!r}", "write hang, or leave it unset"
             )
+        if self.writer_slow_seconds < 0:
+            fail("writer_slow_seconds", f"{self.writer_slow_seconds:g} is negative", "write 0 or more seconds")
         try:
             parse_holds(self.hold_at)
         except ValueError as exc:
