@@ -20,7 +20,6 @@ import threading
 import time
 from types import FrameType
 
-from pretrain.resilience.faults import hold_gil_forever
 from pretrain.resilience.standby.client import forward
 from pretrain.resilience.standby.wire import AGENT_ENV
 
@@ -62,6 +61,10 @@ def act(action: str, arg: str) -> int:
         print(f"ready {os.getpid()}", flush=True)
         time.sleep(600)
     if action == "gil":
+        # Deferred: it imports torch. The client must call forward() before anything heavy, as
+        # python -m pretrain does, or it starts and exits (torch's teardown) many seconds late.
+        from pretrain.resilience.faults import hold_gil_forever
+
         print(json.dumps({"rank": os.getpid()}), flush=True)
         threading.Thread(target=hold_gil_forever, daemon=True).start()
         time.sleep(600)
