@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -73,14 +74,16 @@ def test_hung_rank_is_detected_by_heartbeats_and_the_group_restarts(tmp_path: Pa
     cmd = ft_launcher_command(
         TINY, nproc=2, ft_config=REPO / "tests" / "ft-fast-hang.yaml", max_restarts=2, overrides=ov
     )
-    run(cmd, job, timeout=300, check=True)
+    proc = run(cmd, job, timeout=300, check=True)
     ev = events(job / "runs" / "t")
     assert [(e["rank"], e["signal"]) for e in ev if e["event"] == "fault_injected"] == [(1, "hang")]
+    # One restart, for the hang: the final saves (seconds on a loaded machine, heartbeats still
+    # sent) are not taken for another one.
     assert [(r["step"], r["tier"]) for r in ev if r["event"] == "restore"] == [(20, "local")]
+    assert [e["launcher_restart_count"] for e in ev if e["event"] == "start"] == [0, 1]
     assert max(metrics_by_step(job / "runs" / "t")) == 40
-    hang_t = next(e["time"] for e in ev if e["event"] == "fault_injected")
-    restart_t = next(e["time"] for e in ev if e["event"] == "start" and e["launcher_restart_count"] == 1)
-    assert restart_t - hang_t < 60, "the heartbeat timeout (6 s) must detect the hang, not a collective timeout"
+    # Found by the heartbeat timeout of tests/ft-fast-hang.yaml (6 s), not by a collective timeout.
+    assert "Did not get subsequent heartbeat. Waited 6.00 seconds." in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("ft_config", ["tests/ft-sections.yaml", "configs/ft-cpu.yaml"])
@@ -109,7 +112,7 @@ def test_sections_a_slow_save_is_not_a_hang_and_a_native_hang_is(tmp_path: Path,
         },
     )
     cmd = ft_launcher_command(TINY, nproc=2, ft_config=REPO / ft_config, max_restarts=2, overrides=ov)
-    run(cmd, job, timeout=300, check=True)
+    proc = run(cmd, job, timeout=300, check=True)
     ev = events(job / "runs" / "t")
     starts = [e for e in ev if e["event"] == "start"]
     assert len(starts) == 2, "the slow save must not restart the group; the hang must"
@@ -118,7 +121,11 @@ def test_sections_a_slow_save_is_not_a_hang_and_a_native_hang_is(tmp_path: Path,
     loaded = [e for e in ev if e["event"] == "ft_timeouts" and e["source"] == "checkpoint"]
     assert measured and loaded and loaded[0]["timeouts"] == measured[0]["timeouts"]
     step_timeout = measured[0]["timeouts"]["current_timeouts"]["section"]["section"]["step"]
-    assert 0 < step_timeout < 45
-    hang_t = next(e["time"] for e in ev if e["event"] == "fault_injected")
-    assert starts[1]["time"] - hang_t < min(step_timeout + 30, 59), "found by the step timeout, not a 60 s one"
+    assert step_timeout > 0
+    # Found by the measured step timeout (the rank monitors say which timeout elapsed, and its
+    # value), not by a heartbeat timeout: however slow the machine, whatever was measured.
+    launcher = proc.stdout + proc.stderr
+    elapsed = re.findall(r"Section 'step' has been open for [\d.]+ seconds\. Timeout is ([\d.]+) seconds", launcher)
+    assert elapsed and set(elapsed) == {f"{step_timeout:.2f}"}, (elapsed, step_timeout)
+    assert "Did not get subsequent heartbeat" not in launcher
     assert max(metrics_by_step(job / "runs" / "t")) == 50
