@@ -182,7 +182,7 @@ def test_two_ranks_share_one_agent_that_persists_both_and_writes_its_status(shm_
             [sys.executable, "-m", "pretrain.checkpointing.agent", "--spec", json.dumps(spec.__dict__)],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=180,  # its imports (torch, via tiering.peer) take tens of seconds on a loaded machine
         )
         assert second.returncode == 0 and "another agent serves" in second.stderr
     finally:
