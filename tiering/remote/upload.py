@@ -10,7 +10,8 @@ step that fails is never committed (its objects stay uncommitted garbage for GC)
 A committed step is never overwritten: a step already committed with the same manifest is done (an
 uploader that died after its commit), one committed with another manifest is refused
 (:class:`tiering.errors.AlreadyCommitted`) before any object is written, and the ``COMMITTED`` marker is
-a conditional write (``If-None-Match: *``), so of two writers racing for a step only one commits.
+a conditional write (``If-None-Match: *``): of two writers racing for a step (the lease allows one per run)
+only one commits, and the other reports it (their objects may already have mixed).
 """
 
 from __future__ import annotations
@@ -72,11 +73,18 @@ def upload_step(run: RemoteRun, step_dir: Path) -> UploadResult:
     if signature is not None:  # checked above when this run is signed; carried as it is otherwise
         run.store.put_bytes(run.step_key(step, SIGNATURE_NAME), signature)
     run.store.put_bytes(run.step_key(step, MANIFEST_NAME), raw)
+    marker = committed_marker(step, raw)
     try:
-        run.store.put_bytes(run.step_key(step, COMMITTED_NAME), committed_marker(step, raw), if_none_match=True)
+        run.store.put_bytes(run.step_key(step, COMMITTED_NAME), marker, if_none_match=True)
     except PreconditionFailed:  # another writer committed it between our check and now
-        if not _committed_already(run, step, raw):
-            raise
+        # Its marker binds the manifest it committed (ours may have replaced manifest.json since).
+        theirs, _ = run.store.get_bytes(run.step_key(step, COMMITTED_NAME))
+        if theirs != marker:
+            raise AlreadyCommitted(
+                run.where(run.step_key(step, COMMITTED_NAME)),
+                f"step {step} was committed by another writer during this upload",
+                "fix: run one uploader per run (the lease); check the step with 'tiering verify'",
+            ) from None
     update_latest(run, step)
     return UploadResult(step, manifest.total_bytes, time.perf_counter() - t0, skipped)
 
