@@ -324,11 +324,13 @@ class TrainingLoop:
         if measured is not None:
             s.state.extra["ft"] = measured  # saved with every checkpoint from now on
             s.runlog.event("ft_timeouts", source="measured", timeouts=measured)
+            ctx.records.note(hang_timeout_s=s.monitor.hang_timeout_s())
         if cfg.fault_tolerance.check_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             _non_finite(s, self.restored, step, loss, grad_norm)
         if first:
             if ctx.phases is not None:
                 ctx.phases.enter("training", first_step=step)
+            ctx.records.note(hang_timeout_s=s.monitor.hang_timeout_s())  # loaded from the checkpoint or configured
             ctx.records.first_step(step)
             ctx.metrics.recovered(ctx.records.record.get("lost_steps"), ctx.records.record.get("rto_seconds"))
         tok_s = cfg.data.global_batch_size * cfg.model.seq_length / max(time.perf_counter() - self.step_started, 1e-9)

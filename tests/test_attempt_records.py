@@ -69,26 +69,35 @@ def test_a_silent_rank_is_named_with_the_phase_it_died_in(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("phase", "gap", "hung"),
+    ("phase", "gap", "hang_timeout", "hung"),
     [
-        ("training", 8.0, True),
+        ("training", 8.0, None, True),
         # A measured step timeout finds a hang in 1-2 s, and every rank's monitor kills its blocked
         # rank at that timeout: the peers outlive the hung rank's pulse by that much only.
-        ("training", 2.0, True),
+        ("training", 2.0, None, True),
+        ("training", 2.0, 2.0, True),
         # A kill on a loaded machine: the survivor reached its next collective 1.1 s later.
-        ("training", 1.1, False),
+        ("training", 1.1, None, False),
+        # At load 19 on 2 cores a step took 3.3 s and the survivor saw the kill 2.7 s late: with the
+        # 8 s step timeout in force a hang's peers would have outlived it by 8 s less a step.
+        ("training", 2.7, 8.0, False),
+        ("training", 6.5, 8.0, True),
         # Outside the steps a killed rank's peers may take 2 s to notice (start-up, an emergency
         # save), and a hang there waits for a timeout of minutes: 2 s is a kill.
-        ("monitor", 2.0, False),
-        ("emergency_save", 2.0, False),
+        ("monitor", 2.0, None, False),
+        ("emergency_save", 2.0, None, False),
     ],
 )
 def test_a_rank_whose_pulse_stopped_long_before_its_peers_is_named_as_hung(
-    tmp_path: Path, phase: str, gap: float, hung: bool
+    tmp_path: Path, phase: str, gap: float, hang_timeout: float | None, hung: bool
 ) -> None:
     """SIGSTOP (or a thread holding the GIL): the stopped rank's pulse ends; its peers, blocked in a
-    collective, pulse on until the launcher's hang timeout stops every rank, none with a report."""
-    _begin(tmp_path, "a1")
+    collective, pulse on until the launcher's hang timeout stops every rank, none with a report.
+    The attempt's record holds the hang timeout in force (``hang_timeout_s``) where the rank
+    monitor knew it."""
+    first = _begin(tmp_path, "a1")
+    if hang_timeout is not None:
+        first.note(hang_timeout_s=hang_timeout)
     records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
     for rec in records:
         rec.attempt = "a1"
@@ -223,3 +232,26 @@ def test_the_pulse_is_node_local_and_the_next_process_carries_it_along(tmp_path:
     assert proc.returncode == 0, proc.stderr
     previous = json.loads(proc.stdout)
     assert previous["last_alive"] == last and previous["phase"] == "training"
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_a_kill_a_loaded_peer_saw_late_is_not_a_hang(tmp_path: Path, reported: bool) -> None:
+    """At load 20 on 2 cores the survivor of a SIGKILL reported the reset 4.6 s after the killed
+    rank's last pulse, past half the 8 s step timeout: its report, earlier than the monitor could
+    have killed a hung rank, makes it a kill. Without the report the same gap is a hang."""
+    first = _begin(tmp_path, "a1")
+    first.note(hang_timeout_s=8.0)
+    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
+    for rec in records:
+        rec.attempt = "a1"
+        rec.enter("training")
+    now = time.time()
+    os.utime(records[1].path, (now - 4.6, now - 4.6))
+    os.utime(records[0].path, (now, now))
+    if reported:
+        record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
+    for rank in (0, 1):
+        PhaseRecord(tmp_path, rank).enter("startup")
+    _begin(tmp_path, "a2", restart=1)
+    failure = _records(tmp_path)[0]["failure"]
+    assert failure["evidence"].startswith("ranks [1] hung:") is not reported, failure

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import boto3
 import pytest
+import yaml
 
-from tests.helpers import PYTHON, run
+from tests.helpers import PYTHON, REPO, run
 
 
 @pytest.mark.timeout(300)  # under a minute on an idle 2-core machine
@@ -37,6 +38,10 @@ def test_an_unreachable_store_is_recorded_by_the_uploader_and_training_never_res
     assert proc.returncode == 0 and report["passed"], detail
     assert h["kinds_injected"] == ["kill-rank", "s3-unreachable"] and h["recovery_success_rate"] == 1.0, detail
     assert h["losses_bit_equal"] and h["record_mismatches"] == [] and h["second_resume"]["passed"], detail
+    # The hang timeout in force is in the attempt's record (what tells a hang from a kill seen late).
+    first = json.loads(next((work / "faulted" / "runs" / "soak" / "attempts").glob("attempt-01.json")).read_text())
+    ft = yaml.safe_load((REPO / "configs" / "ft-cpu-sections.yaml").read_text())["fault_tolerance"]
+    assert first["hang_timeout_s"] == ft["rank_section_timeouts"]["step"], first
     row = next(f for f in report["faults"] if f["kind"] == "s3-unreachable")
     recorded = next(e["recorded"] for e in report["events"] if e["plan"]["kind"] == "s3-unreachable")
     assert row["recorded_class"] == row["expected_class"] == "store" and row["restarted_during"] == [], row

@@ -222,7 +222,8 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
     if fatal:
         return _fatal_failure(fatal, where, reports)
     alive = {r: float(rec["last_alive"]) for r, rec in every.items() if "last_alive" in rec}
-    hung = _hung(alive, silent, reports, {r: rec.get("phase") for r, rec in every.items()})
+    phase = {r: rec.get("phase") for r, rec in every.items()}
+    hung = _hung(alive, silent, reports, phase, record.get("hang_timeout_s"))
     if hung is not None:
         return _silent_failure(hung[0], where, record, reports, hung_for=hung[1])
     # A rank whose record says it was told to stop (SIGTERM from the launcher stopping the group)
@@ -233,11 +234,22 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
 
 
 def _hung(
-    alive: dict[int, float], silent: list[int], reports: list[dict[str, Any]], phase: dict[int, str | None]
+    alive: dict[int, float],
+    silent: list[int],
+    reports: list[dict[str, Any]],
+    phase: dict[int, str | None],
+    hang_timeout_s: float | None = None,
 ) -> tuple[list[int], float] | None:
-    """The silent ranks whose pulse stopped ``HUNG_GAP_S`` (``HUNG_GAP_TRAINING_S`` when they were
-    training) or more before every other rank's, and the gap; None when nothing stands out that
-    far, or when a peer reported losing them (a kill: peers see the connection close at once)."""
+    """The silent ranks whose pulse stopped ``HUNG_GAP_S`` (in training: ``HUNG_GAP_TRAINING_S``,
+    or half the attempt's hang timeout if longer) or more before every other rank's, and the gap;
+    None when nothing stands out that far, or when a peer reported losing them that soon (a kill:
+    peers see the connection close at their next collective).
+
+    Why half the hang timeout: a hung rank's peers pulse on until the monitors kill the group, the
+    timeout after the step began, so they outlive it by the timeout less at most one step; a killed
+    rank's peers notice at their next collective, at most a step later. Halfway splits the two
+    while a step is shorter than half the timeout; a fixed 1.5 s read a kill as a hang at load 19
+    on 2 cores, where a step took 3.3 s and the survivor reported the reset 2.7 s after the kill."""
     if len(alive) < 2:
         return None
     first = min(alive.values())
@@ -247,8 +259,13 @@ def _hung(
         return None
     stopped = max(alive[r] for r in early)
     gap = min(later) - stopped
-    least = HUNG_GAP_TRAINING_S if all(phase.get(r) == "training" for r in early) else HUNG_GAP_S
-    lost = any(rep.get("peer_lost") and rep.get("time", 0) < stopped + least for rep in reports)
+    training = max(HUNG_GAP_TRAINING_S, (hang_timeout_s or 0.0) / 2)
+    least = training if all(phase.get(r) == "training" for r in early) else HUNG_GAP_S
+    # A peer that saw the connection drop before the monitor could have killed a hung rank (the
+    # hang timeout less a step) saw a kill: a hung rank's peers are stopped by their own monitors
+    # at that timeout, without a report. At load 20 on 2 cores a survivor saw a kill 4.6 s late.
+    noticed = max(least, 0.8 * hang_timeout_s) if hang_timeout_s and least == training else least
+    lost = any(rep.get("peer_lost") and rep.get("time", 0) < stopped + noticed for rep in reports)
     return (early, gap) if gap >= least and not lost else None
 
 
@@ -457,6 +474,14 @@ class AttemptLog:
         if prev.get("ended_at"):
             # recovery time objective: from the previous attempt's last sign of life to our first step
             self.record["rto_seconds"] = round(now - prev["ended_at"], 3)
+        self._flush()
+
+    def note(self, **fields: Any) -> None:
+        """Facts of this attempt that are not a step: e.g. ``hang_timeout_s``, the seconds in which
+        its rank monitor kills a rank stuck in a step (what tells a hang from a late-seen kill)."""
+        if not self.enabled:
+            return
+        self.record.update(fields)
         self._flush()
 
     def progress(self, step: int, **fields: Any) -> None:

@@ -133,6 +133,24 @@ class RankMonitor:
         log.info("fault-tolerance timeouts measured after %d steps: %s", steps_done, state)
         return state
 
+    def hang_timeout_s(self) -> float | None:
+        """The seconds after which a rank stuck in a training step is killed now: the ``step``
+        section's timeout in force (configured, measured or loaded) or the heartbeat timeout,
+        whichever is shorter; None without a monitor or without either. The attempt records use it
+        to tell a hang (its peers outlive it by about this long) from a kill noticed late."""
+        if self.client is None:
+            return None
+        found: list[float] = []
+        sections = self.client.section_timeouts
+        step = (sections.section if sections is not None else self.client.cfg.rank_section_timeouts or {}).get("step")
+        if step is not None:
+            found.append(float(step))
+        heartbeat = self.client.hb_timeouts
+        beat = heartbeat.subsequent if heartbeat is not None else self.client.cfg.rank_heartbeat_timeout
+        if beat is not None:
+            found.append(float(beat))
+        return min(found, default=None)
+
     def state_dict(self) -> dict[str, Any]:
         return dict(self.client.state_dict()) if self.client is not None else {}
 

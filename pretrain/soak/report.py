@@ -240,6 +240,18 @@ def _breakdown_medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def unplanned_restarts(attempts: list[dict[str, Any]], events: list[FaultEvent]) -> list[dict[str, Any]]:
+    """Attempts that failed although no fault was injected into them (a hang timeout a loaded
+    machine's slow step ran into, say), with what their records say. Shown, not failed: the
+    injected faults are what the soak judges, and these are what a user would ask about next."""
+    hit = {e.attempt for e in events}
+    return [
+        {"attempt": a["id"], "last_step": a.get("last_step"), "evidence": (a.get("failure") or {}).get("evidence")}
+        for a in attempts
+        if a.get("status") not in ("succeeded", "running", None) and a.get("id") not in hit
+    ]
+
+
 def build_report(
     base_dir: Path,
     faulted_dir: Path,
@@ -288,6 +300,7 @@ def build_report(
         "fault_to_next_step_s": _per_kind(faults, "fault_to_next_step_s"),
         "recovery_breakdown_median_s": _breakdown_medians(faults),
         "second_resume": second_resume,
+        "unplanned_restarts": unplanned_restarts(attempts, events),
     }
     ok = (
         bool(faults)
@@ -328,6 +341,8 @@ def headline_lines(report: dict[str, Any], faulted_dir: Path, until: float) -> l
         if ratio
         else "time to N steps      : -",
         f"records vs injected  : {len(h['record_mismatches'])} mismatches {h['record_mismatches'] or ''}",
+        f"unplanned restarts   : {len(h['unplanned_restarts'])}"
+        + "".join(f"; {u['attempt']} after step {u['last_step']}: {u['evidence']}" for u in h["unplanned_restarts"]),
         f"lost steps per fault : mean {_fmt(lost['mean'])}, max {lost['max']}",
         f"second resume        : {h['second_resume'].get('detail')}",
         "per kind (median / p95 s): detection | fault -> next step",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -42,6 +43,7 @@ from pretrain.soak.storage import StorageFaults
 from pretrain.soak.store_proxy import StoreProxy
 from pretrain.soak.uploader import Uploader, UploaderState
 
+log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 FT_CONFIG = REPO / "configs" / "ft-cpu-sections.yaml"  # hangs found within a few step times
 RUN_ID = "soak"
@@ -308,13 +310,14 @@ class SoakRunner:
                 if live is None:
                     stopped = why
                     break
-                if not self._wait_gap(job, plan, live.attempt):
+                attempt = self._wait_gap(job, plan, live.attempt)
+                if attempt is None:
                     stopped = f"the job ended before fault {plan.index + 1} ({plan.kind}) was due"
                     break
                 if self._last_step() >= self.s.steps - END_MARGIN_STEPS:
                     stopped = f"the job was about to end before fault {plan.index + 1} ({plan.kind}) was due"
                     break
-                live = self._live(live.attempt) or live  # the pids as they are now
+                live = self._live(attempt) or live  # the pids as they are now
                 event = self._fault(job, plan, live)
                 events.append(event)
                 if not KINDS[plan.kind].restarts:  # the job goes on: no new attempt
@@ -456,17 +459,24 @@ class SoakRunner:
             time.sleep(POLL_S)
         return None, f"no attempt trained for {JOB_TIMEOUT_S:.0f} s"
 
-    def _wait_gap(self, job: Job, plan: PlannedFault, attempt: str) -> bool:
-        """The planned gap after a recovery: seconds, or steps trained (False: the job ended first)."""
+    def _wait_gap(self, job: Job, plan: PlannedFault, attempt: str) -> str | None:
+        """The planned gap after a recovery: seconds, or steps trained. Returns the attempt that
+        trains at its end (None: the job ended first). An attempt that restarted without a fault
+        (a false hang on a loaded machine, say) is followed, not waited on: the report names it
+        among the unplanned restarts, from the attempt records."""
         if plan.gap_steps is None:
-            return self._sleep_unless_ended(job, plan.gap_s)
+            return attempt if self._sleep_unless_ended(job, plan.gap_s) else None
         # steps this attempt trained after its first one (rows of the attempt it replaced come first)
         while sum(r["attempt"] == attempt for r in read_metrics(self.run_dir("faulted"))) <= plan.gap_steps:
             assert job.proc is not None
             if job.proc.poll() is not None:
-                return False
+                return None
+            newer = self._live()
+            if newer is not None and newer.attempt != attempt:
+                log.warning("soak: attempt %s restarted without a fault; %s trains now", attempt, newer.attempt)
+                attempt = newer.attempt
             time.sleep(POLL_S)
-        return True
+        return attempt
 
     @staticmethod
     def _sleep_unless_ended(job: Job, seconds: float) -> bool:
