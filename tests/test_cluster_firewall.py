@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -54,7 +53,8 @@ def _slurm_files(tmp: Path) -> dict[str, str]:
     bridge) and an empty site file, so the script's defaults are what is tested."""
     conf, site = tmp / "slurm.conf", tmp / "job-firewall.conf"
     conf.write_text(
-        "ClusterName=netns\nSlurmctldHost=gateway\nNodeName=pretrain-[0-2] CPUs=1\nPartitionName=d Nodes=pretrain-[0-2]\n"
+        "ClusterName=netns\nSlurmctldHost=gateway\n"
+        "NodeName=pretrain-[0-2] CPUs=1\nPartitionName=d Nodes=pretrain-[0-2]\n"
     )
     site.write_text("# the defaults of slurm/job-firewall.sh\n")
     return {"SLURM_CONF": str(conf), "JOB_FIREWALL_CONF": str(site), "NODE_STATE_DIR": str(tmp / "no-markers")}
