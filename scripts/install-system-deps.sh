@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # System packages the test suite runs for real: the Ceph RADOS Gateway (S3) and its daemons, a
-# one-node Slurm (slurmctld, slurmd, munge) and Prometheus' promtool. kubectl (for `kubectl
-# kustomize`) comes with our machines' base image; Debian 12's kubernetes-client is too old for
+# one-node Slurm (slurmctld, slurmd, munge), Prometheus' promtool and nftables (nft: the Slurm
+# Prolog's job firewall, slurm/job-firewall.sh, applied for real on the netns cluster). kubectl
+# (for `kubectl kustomize`) comes with our machines' base image; Debian 12's kubernetes-client is too old for
 # kustomize components, so it is not installed here.
 # Idempotent and quick when they are present; needs root and Debian's apt (as on CI).
 set -euo pipefail
 need=()
 for pair in radosgw:radosgw ceph-mon:ceph-mon ceph-osd:ceph-osd curl:curl \
-  slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge promtool:prometheus; do
+  slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge promtool:prometheus nft:nftables; do
   command -v "${pair%%:*}" >/dev/null || need+=("${pair##*:}")
 done
 [ ${#need[@]} -eq 0 ] && exit 0

@@ -9,8 +9,13 @@
 # state (COMPLETED, CANCELLED, FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, DEADLINE, or gone from
 # slurmctld) and no other live job of the same run has a marker here. A requeued job is PENDING:
 # kept. Its exit status is 0 whatever it found (an epilog that fails drains the node).
+# It also deletes the job's firewall table (slurm/job-firewall.sh remove), if the Prolog made one.
 #   slurm.conf: Epilog=/path/to/slurm/epilog.sh   (runs as root: the files belong to the job's user)
 set -uo pipefail
+# The job's firewall (slurm/job-firewall.sh, made by slurm/prolog.sh): exactly this job's table goes.
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  "$(dirname "$(readlink -f "$0")")/job-firewall.sh" remove || echo "epilog: job $SLURM_JOB_ID: its firewall table stays; see above"
+fi
 state_dir=${NODE_STATE_DIR:-/dev/shm/resilient-pretrain/.jobs}
 [ -d "$state_dir" ] || exit 0
 

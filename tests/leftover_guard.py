@@ -58,6 +58,7 @@ SERVICE_GROUPS = {
     "tests/test_cluster_s3_throttle.py": "s3",
     "tests/test_soak_store.py": "s3",
     "tests/test_cluster_faults.py": "netns",
+    "tests/test_cluster_firewall.py": "netns",
     "tests/test_cluster_memory_peer.py": "netns",
     "tests/test_cluster_netem.py": "netns",
     "tests/test_shared_storage.py": "netns",
