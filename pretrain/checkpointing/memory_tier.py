@@ -99,6 +99,7 @@ class _SlotWrite:
     # pinned arena; on CPU serialising them into the slot is the copy, so with the seal).
     copied: threading.Event = field(default_factory=threading.Event)
     device: torch.device | None = None  # the GPU of the state, None on CPU
+    host_copy: bool = False  # copied into the arena first, the optimizer step waiting for that only
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,11 @@ class MemoryTier:
     name = "memory"
     within_step = True  # a tmpfs write the optimizer step waits for: judged by the step timeout
 
-    def __init__(self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int]) -> None:
+    def __init__(
+        self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int], host_copy: bool | None = None
+    ) -> None:
+        """``host_copy``: copy the state into the arena before serialising it (None: on GPU only;
+        True on CPU runs the GPU path's logic with CPU tensors and no stream: the tests)."""
         mem = cfg.checkpoint.memory
         self.cfg = cfg
         self.coll = coll
@@ -135,6 +140,7 @@ class MemoryTier:
         self._mapped: set[int] = set()  # slots a loaded state may still map: rewritten on a new inode
         self._agent_pins: frozenset[int] = frozenset()  # slots the node's agent is copying to tier 1
         self._buffers = SnapshotBuffers()  # on GPU: the pinned arena every snapshot is copied into
+        self._host_copy = host_copy
 
     def attach_peers(self, holders: dict[int, list[int]], transport: Transport) -> None:
         """Stream each sealed slot to ``holders[rank]`` and hold the copies of the owners whose
@@ -176,15 +182,21 @@ class MemoryTier:
         if not self.enabled:  # turned off while the manager waited for the previous write
             return 0.0
         t0 = time.perf_counter()
+        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+        return self.start_payload(state.step, rank_payload(state, self.rank), manifest, t0)
+
+    def start_payload(self, step: int, payload: dict[str, Any], manifest: Manifest, t0: float) -> float:
+        """:meth:`start_async` once the payload (live tensors) and manifest are built: claim the
+        slot, stage, record the event the copy waits for, hand the write to the writer thread."""
         views = self.store.views()
         if self._sequence is None:
             self._sequence = next_sequence(views)
-        job = _SlotWrite(state.step, self._claim_slot(views), self._sequence, t0)
+        job = _SlotWrite(step, self._claim_slot(views), self._sequence, t0)
         self._sequence += 1
-        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-        staged = stage_on_training_thread(rank_payload(state, self.rank))
+        staged = stage_on_training_thread(payload)
         job.device = snapshot_device(tensor_devices(staged))
-        produced = record_produced(job.device)  # after the kernels that made this state
+        job.host_copy = job.device is not None if self._host_copy is None else self._host_copy
+        produced = record_produced(job.device)  # after the kernels that made this state (CUDA only)
         fresh = job.slot in self._mapped
         self._mapped.discard(job.slot)
         box = [staged]  # emptied by the writer once copied: nothing here keeps the live tensors
@@ -235,7 +247,7 @@ class MemoryTier:
         if job is None or job.done is None or job.done.is_set():
             return 0.0
         t0 = time.perf_counter()
-        (job.copied if job.device is not None else job.done).wait()
+        (job.copied if job.host_copy else job.done).wait()
         waited = time.perf_counter() - t0
         job.blocked += waited
         return waited
@@ -322,13 +334,13 @@ class MemoryTier:
         slot, the chunk digests of the file, the seal."""
         try:
             try:
-                if job.device is not None:
+                if job.host_copy:  # on CPU (device None) the same copy, synchronous, into a plain arena
                     staged, _ = copy_tensors(box.pop(), self._buffers, job.device, produced)
                 else:
                     staged = box.pop()
             finally:
                 box.clear()
-                if job.device is not None:
+                if job.host_copy:
                     job.copied.set()
             job.nbytes = self.store.write_payload(job.slot, lambda fh: save_state(staged, fh), fresh_inode)
             digest = self.store.digest(job.slot, self.hashing)
