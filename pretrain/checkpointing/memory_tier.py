@@ -49,6 +49,7 @@ from pretrain.checkpointing.memory_budget import (
     cgroup_free_bytes,
     missing_moment_bytes,
     node_budget,
+    pinned_bytes,
 )
 from pretrain.checkpointing.per_rank import FORMAT, apply_payload, load_verified_state, rank_payload
 from pretrain.checkpointing.state import SaveResult, TrainingState, step_manifest
@@ -375,7 +376,9 @@ class MemoryTier:
         # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
         own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
         cuda = torch.cuda.is_available()
-        host = (0, 2 * own) if cuda else (0, 0)  # pinned arenas: tier 0's own and tier 1's (exact size)
+        arenas = dtype_bytes(payload)  # one pinned arena per dtype; the moments to come are fp32
+        arenas[torch.float32] = arenas.get(torch.float32, 0) + missing_moment_bytes(state.optimizer)
+        host = (0, 2 * pinned_bytes(arenas.values())) if cuda else (0, 0)  # tier 0's and tier 1's, as allocated
         owners = self.peers.owners_held if self.peers is not None else []
         held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
         on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's
@@ -510,12 +513,17 @@ def _obtainable(own: set[int], held_by: dict[int, set[int]]) -> set[int]:
 
 def tensor_bytes(payload: Any) -> int:
     """Bytes of every tensor in a payload (what a slot holds, less the pickle framing)."""
-    total = 0
+    return sum(dtype_bytes(payload).values())
+
+
+def dtype_bytes(payload: Any) -> dict[torch.dtype, int]:
+    """Bytes of a payload's tensors by dtype (what each snapshot arena holds)."""
+    total: dict[torch.dtype, int] = {}
     stack: list[Any] = [payload]
     while stack:
         v = stack.pop()
         if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
+            total[v.dtype] = total.get(v.dtype, 0) + v.numel() * v.element_size()
         elif isinstance(v, dict):
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
