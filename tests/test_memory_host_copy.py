@@ -109,3 +109,23 @@ def test_without_the_host_copy_cpu_serialises_the_live_tensors_and_waits_for_the
     assert got["sealed"], "on CPU the optimizer step waits for the seal (the one-step loss bound)"
     assert torch.equal(got["loaded"]["model"]["w"], got["expect"]["w"])
     assert tier._buffers.arenas == {} and tier._buffers.allocations == 0  # noqa: SLF001
+
+
+def test_the_arena_is_reserved_at_start_up_and_the_saves_allocate_nothing(shm_root: Path) -> None:
+    """What check_capacity reserves (the state by dtype, after the first step) serves every save,
+    a first step's new moments included: no allocation inside a saving step."""
+    tier = _tier(shm_root, host_copy=True)
+    payload = _payload()
+    moments = {"exp_avg_sq": torch.zeros(256, 512)}  # what the first step will add
+    by_dtype = {torch.float32: (256 * 512 * 3 + 1) * 4, torch.bfloat16: 300 * 2}
+    tier.reserve_arenas(by_dtype, pin=False)
+    assert tier._buffers.allocations == 2  # noqa: SLF001
+    _save(tier, 4, payload)
+    payload["optimizer"]["state"][0].update(moments)
+    got = _save(tier, 5, payload)
+    assert tier._buffers.allocations == 2, "a save allocated although the reserved arenas fit"  # noqa: SLF001
+    assert torch.equal(got["loaded"]["optimizer"]["state"][0]["exp_avg_sq"], torch.zeros(256, 512))
+    assert torch.equal(got["loaded"]["model"]["w"], got["expect"]["w"])
+    default = _tier(shm_root, host_copy=None)  # the CPU default: nothing is copied, so nothing reserved
+    default.reserve_arenas(by_dtype, pin=False)
+    assert default._buffers.allocations == 0  # noqa: SLF001

@@ -398,6 +398,13 @@ class MemoryTier:
         failed = next((e for e in self.coll.all_gather(error) if e), None)
         if failed:
             raise ConfigError(failed)
+        self.reserve_arenas(arenas, pin=cuda)  # once the node was found to hold them
+
+    def reserve_arenas(self, by_dtype: dict[torch.dtype, int], pin: bool) -> None:
+        """At start-up, where snapshots are copied first (on GPU; ``host_copy``): allocate the arena
+        for ``by_dtype`` (bytes, after the first step) now, not inside the first saving step."""
+        if self._host_copy or (self._host_copy is None and pin):
+            self._buffers.reserve({d: -(-b // d.itemsize) for d, b in by_dtype.items()}, pin)
 
     # -- restore ---------------------------------------------------------------------------------
     def find_restorable(self, floor: int, suspect: set[int]) -> tuple[Found | None, list[tuple[int, str]]]:
