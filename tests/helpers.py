@@ -270,12 +270,13 @@ def tmpfs(path: Path, size_mb: int) -> Iterator[Path]:
 
 
 def two_gloo_ranks(
-    scenario: Callable[[int, Path], dict[str, Any]], root: Path, timeout: int = 240
+    scenario: Callable[[int, Path], dict[str, Any]], root: Path, timeout: int = 240, default_backend: str = "gloo"
 ) -> tuple[dict[str, Any], ...]:
     """``scenario(rank, root)`` in two gloo ranks (a picklable, module-level callable); each rank's
     JSON result, in rank order. The ranks are ``python -m tests.gloo_rank`` processes forked from the
     worker's shared standby process (no torch import each); one that fails fails the call, with
-    both ranks' output, and the other is killed."""
+    both ranks' output, and the other is killed. ``default_backend="fake"``: the default group is
+    torch's fake one (a NCCL stand-in, see ``tests/gloo_rank.py``); gloo groups are made beside it."""
     root.mkdir(parents=True, exist_ok=True)
     scenario_file = root / "scenario.pickle"
     scenario_file.write_bytes(pickle.dumps(scenario))
@@ -288,7 +289,7 @@ def two_gloo_ranks(
     cmd = [PYTHON, "-m", "tests.gloo_rank"]
     ranks = [
         subprocess.Popen(
-            [*cmd, str(rank), str(scenario_file), str(root), port],
+            [*cmd, str(rank), str(scenario_file), str(root), port, default_backend],
             env=env,
             cwd=REPO,
             stdout=subprocess.PIPE,

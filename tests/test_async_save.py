@@ -214,9 +214,10 @@ def test_retention_keeps_steps_in_use(tmp_path: Path) -> None:
     assert json.loads((tier.layout.latest_path).read_text())["step"] == 20
 
 
-def test_snapshot_buffers_are_one_arena_per_dtype_reused_until_the_layout_changes() -> None:
+def test_snapshot_buffers_are_one_arena_per_dtype_reused_until_a_dtype_outgrows_its_own() -> None:
     """One allocation per dtype (not one per tensor: on a GPU host each is a cudaHostAlloc rounded
-    up to a power of two), the same memory at the next save, new arenas only for a new layout."""
+    up to a power of two), the same memory at the next save, a new arena only for a dtype whose
+    tensors outgrew it; an arena reserved at start-up serves every layout that fits."""
     state = {"w": torch.randn(300, 7), "b": torch.randn(5), "m": torch.arange(10, dtype=torch.int64), "n": 3}
     buffers = SnapshotBuffers()
     first, _ = copy_tensors(state, buffers)
@@ -228,9 +229,19 @@ def test_snapshot_buffers_are_one_arena_per_dtype_reused_until_the_layout_change
     second, _ = copy_tensors(state, buffers)
     assert buffers.allocations == 2 and second["w"].data_ptr() == pointer  # reused, not reallocated
     assert torch.equal(second["w"], state["w"])
-    state["w"] = torch.randn(301, 7)  # another layout: arenas made again
+    state["w"] = torch.randn(301, 7)  # more fp32 elements: that arena made again, int64's kept
     third, _ = copy_tensors(state, buffers)
-    assert buffers.allocations == 4 and torch.equal(third["w"], state["w"])
+    assert buffers.allocations == 3 and torch.equal(third["w"], state["w"])
+    state["w"] = torch.randn(20, 7)  # another layout that fits: the same arena
+    fourth, _ = copy_tensors(state, buffers)
+    assert buffers.allocations == 3 and torch.equal(fourth["w"], state["w"]) and torch.equal(fourth["b"], state["b"])
+    reserved = SnapshotBuffers()
+    reserved.reserve({torch.float32: 10_000, torch.int64: 10}, pin=False)  # at start-up, before any save
+    assert reserved.allocations == 2
+    state["w"] = torch.randn(300, 7)
+    fifth, _ = copy_tensors(state, reserved)
+    assert reserved.allocations == 2 and reserved.arenas[torch.float32].numel() == 10_000
+    assert all(torch.equal(fifth[k], state[k]) for k in ("w", "b", "m"))
 
 
 def test_the_thread_writer_holds_no_live_tensor_once_it_copied_them(tmp_path: Path) -> None:

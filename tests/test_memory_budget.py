@@ -19,6 +19,8 @@ from pretrain.checkpointing.memory_budget import (
     missing_moment_bytes,
     node_budget,
     node_memory_bytes,
+    pinned_bytes,
+    power_of_two_ceil,
 )
 from pretrain.commands.plan_model import host_layout, model_size
 from pretrain.config import load_config
@@ -190,11 +192,15 @@ def test_the_70b_host_memory_per_node_by_tier() -> None:
     rows = dict(host_memory_per_node(host_layout(cfg, size, 8, gpu=True)))
     state, n = size.state_bytes_per_rank, size.params_per_rank
     assert rows["tier 0 tmpfs: 3 slots x (own + 1 peer)"] == 3 * 2 * (state + (4 << 20)) * 8
-    assert rows["tier 0 pinned arena (its GPU copy)"] == rows["tier 1 pinned arena"] == state * 8
+    weights, optimizer = size.arena_bytes()  # one pinned arena per dtype: bf16 weights, fp32 optimizer
+    assert (weights, optimizer) == (-(-n * 2 // 16), -(-n * 12 // 16))
+    arena = power_of_two_ceil(weights) + power_of_two_ceil(optimizer)  # as torch's caching host allocator allocates
+    assert rows["tier 0 pinned arena (its GPU copy)"] == rows["tier 1 pinned arena"] == arena * 8
+    assert 1.3 < arena / state < 1.4, arena / state  # the exact size understated it by a third
     assert rows["fully reshardable save/load peak"] == 20 * n * 8
     assert rows["total"] == sum(v for k, v in rows.items() if k != "total")
     assert state == -(-n * 2 // 16) + -(-n * 12 // 16)  # bf16 weights and fp32 master + Adam m, v: 1/dp each
-    assert 550e9 < rows["total"] < 620e9
+    assert 570e9 < rows["total"] < 620e9
 
 
 @pytest.mark.parametrize(
@@ -246,3 +252,24 @@ def test_a_node_with_less_memory_than_the_run_needs_is_refused_at_start_in_one_l
     )
     assert "tier 0 tmpfs: 3 slots x (own + 1 peer)" in line and "fix:" in line and "\n" not in line
     _check_host_memory(load_config(TINY), 1, False)  # the tiny run fits
+
+
+@pytest.mark.parametrize(
+    ("sizes", "pinned"),
+    [((), 0), ((0,), 0), ((1,), 1), ((4096,), 4096), ((4097,), 8192), ((3 << 30,), 4 << 30), ((5, 9), 8 + 16)],
+)
+def test_pinned_arenas_count_as_torch_allocates_them_rounded_to_a_power_of_two(
+    sizes: tuple[int, ...], pinned: int
+) -> None:
+    assert pinned_bytes(sizes) == pinned
+
+
+def test_the_installed_torch_rounds_pinned_requests_to_a_power_of_two() -> None:
+    """The rule pinned_bytes counts, read from the installed torch's CachingHostAllocator: every
+    request rounded by PowerOf2Ceil unless above pinned_max_round_threshold, which defaults to no
+    limit. A torch that changes this makes the plan's figure wrong: this fails first."""
+    include = Path(torch.__file__).parent / "include"
+    host = (include / "ATen" / "core" / "CachingHostAllocator.h").read_text()
+    assert "return c10::llvm::PowerOf2Ceil(size);" in host and "size <= pinned_max_round_threshold()" in host
+    config = (include / "c10" / "core" / "AllocatorConfig.h").read_text()
+    assert "size_t pinned_max_round_threshold_{std::numeric_limits<size_t>::max()};" in config

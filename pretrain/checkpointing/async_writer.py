@@ -84,34 +84,41 @@ def killed_by_signal(pid: int, signum: int) -> str:
 
 
 class SnapshotBuffers:
-    """Host buffers reused from one save to the next: one arena per dtype, sized exactly to the
-    state's tensors of that dtype and allocated once per layout (pinned on GPU hosts), each tensor
-    copied into its view. One allocation per dtype instead of one per tensor: on a GPU host each
-    pinned allocation is a ``cudaHostAlloc`` that the caching host allocator rounds up to a power
-    of two (1.3-2x the payload, locked for the process's life), paid for thousands of tensors at
-    the first save after every start."""
+    """Host buffers reused from one save to the next: one arena per dtype, sized to the state's
+    tensors of that dtype (pinned on GPU hosts), each tensor copied into its view. One allocation
+    per dtype instead of one per tensor: on a GPU host each pinned allocation is a
+    ``cudaHostAlloc`` that the caching host allocator rounds up to a power of two, locked for the
+    process's life. :meth:`reserve` allocates them at start-up (out of any step); a save whose
+    tensors of a dtype fit in its arena reuses it, whatever the layout (a first step creating
+    Adam's moments included, when the reservation counted them)."""
 
     def __init__(self) -> None:
         self._layout: list[tuple[torch.dtype, torch.Size]] = []
         self._views: list[torch.Tensor] = []
         self.arenas: dict[torch.dtype, torch.Tensor] = {}  # what is allocated, by dtype
-        self.allocations = 0  # arenas allocated so far (each layout change allocates them again)
+        self.allocations = 0  # arenas allocated so far (a dtype outgrowing its arena allocates it again)
+
+    def reserve(self, elements: dict[torch.dtype, int], pin: bool) -> None:
+        """Allocate an arena of ``elements[dtype]`` elements per dtype now, unless one that big is held."""
+        for dtype, n in elements.items():
+            held = self.arenas.get(dtype)
+            if held is None or held.numel() < n or held.is_pinned() != pin:
+                self.arenas[dtype] = torch.empty(n, dtype=dtype, device="cpu", pin_memory=pin)
+                self.allocations += 1
 
     def views(self, tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
-        """Host views shaped like ``tensors``, in order (the arenas reallocated when the layout changed)."""
+        """Host views shaped like ``tensors``, in order (an arena reallocated only when outgrown)."""
         layout = [(t.dtype, t.shape) for t in tensors]
         if layout != self._layout:
-            self._allocate(layout, pin)
+            self._cut(layout, pin)
         return self._views
 
-    def _allocate(self, layout: list[tuple[torch.dtype, torch.Size]], pin: bool) -> None:
-        self.arenas, self._views = {}, []
+    def _cut(self, layout: list[tuple[torch.dtype, torch.Size]], pin: bool) -> None:
         sizes: dict[torch.dtype, int] = {}
         for dtype, shape in layout:
             sizes[dtype] = sizes.get(dtype, 0) + shape.numel()
-        for dtype, n in sizes.items():
-            self.arenas[dtype] = torch.empty(n, dtype=dtype, device="cpu", pin_memory=pin)
-            self.allocations += 1
+        self.reserve(sizes, pin)
+        self._views = []
         offsets = dict.fromkeys(sizes, 0)
         for dtype, shape in layout:
             start = offsets[dtype]

@@ -49,6 +49,7 @@ from pretrain.checkpointing.memory_budget import (
     cgroup_free_bytes,
     missing_moment_bytes,
     node_budget,
+    pinned_bytes,
 )
 from pretrain.checkpointing.per_rank import FORMAT, apply_payload, load_verified_state, rank_payload
 from pretrain.checkpointing.state import SaveResult, TrainingState, step_manifest
@@ -99,6 +100,7 @@ class _SlotWrite:
     # pinned arena; on CPU serialising them into the slot is the copy, so with the seal).
     copied: threading.Event = field(default_factory=threading.Event)
     device: torch.device | None = None  # the GPU of the state, None on CPU
+    host_copy: bool = False  # copied into the arena first, the optimizer step waiting for that only
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,11 @@ class MemoryTier:
     name = "memory"
     within_step = True  # a tmpfs write the optimizer step waits for: judged by the step timeout
 
-    def __init__(self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int]) -> None:
+    def __init__(
+        self, cfg: Config, coll: Collective, attempt: str, topology: dict[str, int], host_copy: bool | None = None
+    ) -> None:
+        """``host_copy``: copy the state into the arena before serialising it (None: on GPU only;
+        True on CPU runs the GPU path's logic with CPU tensors and no stream: the tests)."""
         mem = cfg.checkpoint.memory
         self.cfg = cfg
         self.coll = coll
@@ -135,6 +141,7 @@ class MemoryTier:
         self._mapped: set[int] = set()  # slots a loaded state may still map: rewritten on a new inode
         self._agent_pins: frozenset[int] = frozenset()  # slots the node's agent is copying to tier 1
         self._buffers = SnapshotBuffers()  # on GPU: the pinned arena every snapshot is copied into
+        self._host_copy = host_copy
 
     def attach_peers(self, holders: dict[int, list[int]], transport: Transport) -> None:
         """Stream each sealed slot to ``holders[rank]`` and hold the copies of the owners whose
@@ -176,15 +183,21 @@ class MemoryTier:
         if not self.enabled:  # turned off while the manager waited for the previous write
             return 0.0
         t0 = time.perf_counter()
+        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+        return self.start_payload(state.step, rank_payload(state, self.rank), manifest, t0)
+
+    def start_payload(self, step: int, payload: dict[str, Any], manifest: Manifest, t0: float) -> float:
+        """:meth:`start_async` once the payload (live tensors) and manifest are built: claim the
+        slot, stage, record the event the copy waits for, hand the write to the writer thread."""
         views = self.store.views()
         if self._sequence is None:
             self._sequence = next_sequence(views)
-        job = _SlotWrite(state.step, self._claim_slot(views), self._sequence, t0)
+        job = _SlotWrite(step, self._claim_slot(views), self._sequence, t0)
         self._sequence += 1
-        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
-        staged = stage_on_training_thread(rank_payload(state, self.rank))
+        staged = stage_on_training_thread(payload)
         job.device = snapshot_device(tensor_devices(staged))
-        produced = record_produced(job.device)  # after the kernels that made this state
+        job.host_copy = job.device is not None if self._host_copy is None else self._host_copy
+        produced = record_produced(job.device)  # after the kernels that made this state (CUDA only)
         fresh = job.slot in self._mapped
         self._mapped.discard(job.slot)
         box = [staged]  # emptied by the writer once copied: nothing here keeps the live tensors
@@ -235,7 +248,7 @@ class MemoryTier:
         if job is None or job.done is None or job.done.is_set():
             return 0.0
         t0 = time.perf_counter()
-        (job.copied if job.device is not None else job.done).wait()
+        (job.copied if job.host_copy else job.done).wait()
         waited = time.perf_counter() - t0
         job.blocked += waited
         return waited
@@ -322,13 +335,13 @@ class MemoryTier:
         slot, the chunk digests of the file, the seal."""
         try:
             try:
-                if job.device is not None:
+                if job.host_copy:  # on CPU (device None) the same copy, synchronous, into a plain arena
                     staged, _ = copy_tensors(box.pop(), self._buffers, job.device, produced)
                 else:
                     staged = box.pop()
             finally:
                 box.clear()
-                if job.device is not None:
+                if job.host_copy:
                     job.copied.set()
             job.nbytes = self.store.write_payload(job.slot, lambda fh: save_state(staged, fh), fresh_inode)
             digest = self.store.digest(job.slot, self.hashing)
@@ -363,7 +376,9 @@ class MemoryTier:
         # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
         own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
         cuda = torch.cuda.is_available()
-        host = (0, 2 * own) if cuda else (0, 0)  # pinned arenas: tier 0's own and tier 1's (exact size)
+        arenas = dtype_bytes(payload)  # one pinned arena per dtype; the moments to come are fp32
+        arenas[torch.float32] = arenas.get(torch.float32, 0) + missing_moment_bytes(state.optimizer)
+        host = (0, 2 * pinned_bytes(arenas.values())) if cuda else (0, 0)  # tier 0's and tier 1's, as allocated
         owners = self.peers.owners_held if self.peers is not None else []
         held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
         on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's
@@ -383,6 +398,13 @@ class MemoryTier:
         failed = next((e for e in self.coll.all_gather(error) if e), None)
         if failed:
             raise ConfigError(failed)
+        self.reserve_arenas(arenas, pin=cuda)  # once the node was found to hold them
+
+    def reserve_arenas(self, by_dtype: dict[torch.dtype, int], pin: bool) -> None:
+        """At start-up, where snapshots are copied first (on GPU; ``host_copy``): allocate the arena
+        for ``by_dtype`` (bytes, after the first step) now, not inside the first saving step."""
+        if self._host_copy or (self._host_copy is None and pin):
+            self._buffers.reserve({d: -(-b // d.itemsize) for d, b in by_dtype.items()}, pin)
 
     # -- restore ---------------------------------------------------------------------------------
     def find_restorable(self, floor: int, suspect: set[int]) -> tuple[Found | None, list[tuple[int, str]]]:
@@ -498,12 +520,17 @@ def _obtainable(own: set[int], held_by: dict[int, set[int]]) -> set[int]:
 
 def tensor_bytes(payload: Any) -> int:
     """Bytes of every tensor in a payload (what a slot holds, less the pickle framing)."""
-    total = 0
+    return sum(dtype_bytes(payload).values())
+
+
+def dtype_bytes(payload: Any) -> dict[torch.dtype, int]:
+    """Bytes of a payload's tensors by dtype (what each snapshot arena holds)."""
+    total: dict[torch.dtype, int] = {}
     stack: list[Any] = [payload]
     while stack:
         v = stack.pop()
         if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
+            total[v.dtype] = total.get(v.dtype, 0) + v.numel() * v.element_size()
         elif isinstance(v, dict):
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):

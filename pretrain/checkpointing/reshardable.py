@@ -107,15 +107,16 @@ def save_strategy() -> FullyParallelSaveStrategyWrapper:
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
-def load_strategy(checkpoint_dir: Path) -> LoadShardedStrategy | None:
-    """On CUDA, Megatron's default load strategy spread over the data-parallel group
-    (``--ckpt-fully-parallel-load``): each DP replica reads a share and the shares are exchanged,
-    so storage reads are not multiplied by DP. On CPU the default (Megatron 0.16.1's exchange puts
-    the shares on ``cuda`` and synchronizes CUDA)."""
-    if not torch.cuda.is_available():
-        return None
+def load_strategy(checkpoint_dir: Path, base: LoadShardedStrategy | None = None) -> FullyParallelLoadStrategyWrapper:
+    """Megatron's default load strategy (or ``base``) spread over the data-parallel group, as
+    Megatron's trainer does (``--ckpt-fully-parallel-load``): each DP replica reads a share of the
+    replicated shards and the shares are exchanged, so storage reads are not multiplied by DP. The
+    exchange: broadcasts of device tensors on CUDA; on CPU ``gather_object`` (Megatron 0.16.1's
+    broadcast exchange moves every share to ``cuda``), the same distribution of the reads."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(checkpoint_dir)), group)
+    strategy = base if base is not None else get_default_load_sharded_strategy(str(checkpoint_dir))
+    exchange = "broadcast" if torch.cuda.is_available() else "gather_object"
+    return FullyParallelLoadStrategyWrapper(strategy, group, exchange_algo=exchange)
 
 
 class ReshardableCheckpoints:

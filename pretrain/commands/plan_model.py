@@ -55,6 +55,13 @@ class ModelSize:
     optimizer_bytes: int  # per parameter, before the distributed optimizer's division by dp
     state_bytes_per_rank: int
 
+    def arena_bytes(self) -> tuple[int, ...]:
+        """A rank's state by dtype, as the snapshot arenas hold it (one arena per dtype): the
+        weights' slice and the optimizer state (fp32), one arena when the weights are fp32 too."""
+        weights = -(-self.params_per_rank * self.weight_bytes // self.dp)
+        optimizer = self.state_bytes_per_rank - weights
+        return (weights + optimizer,) if self.weight_bytes == 4 else (weights, optimizer)
+
     def describe(self) -> str:
         opt = f"{self.optimizer_bytes} B / dp {self.dp}" if self.distributed_optimizer else f"{self.optimizer_bytes} B"
         weights = f"{self.weight_bytes} B / dp {self.dp}" if self.dp > 1 else f"{self.weight_bytes} B"
@@ -152,4 +159,5 @@ def host_layout(cfg: Config, size: ModelSize, ranks_per_node: int, gpu: bool) ->
         tier1_background=ck.local.enabled and ck.async_.enabled,
         reshardable_gather=ck.reshardable.enabled and size.distributed_optimizer,
         gpu=gpu,
+        arena_bytes=size.arena_bytes(),
     )

@@ -111,7 +111,8 @@ def test_train_kill_restart_resumes_exactly(mode: str, trained: dict[str, Any], 
     ]
     keys = ("spec", "distributed_optimizer", "precision", "device", "errors", "phase_errors", "timed_out")
     record.update({k: trained.get(k) for k in keys})
-    record.update({k: trained.get(k) for k in ("comparison", "first_step_after_restart", "nondeterministic_warnings")})
+    kept = ("comparison", "first_step_after_restart", "nondeterministic_warnings", "deterministic_env")
+    record.update({k: trained.get(k) for k in kept})
     record["restored"] = [{k: e.get(k) for k in ("tier", "step", "seconds")} for e in trained.get("restore_events", [])]
     record["tier1_blocked_seconds"] = {"max": max(local, default=None), "n": len(local)}
     record["reshardable_saves"] = [s for s in trained.get("saves", []) if s["tier"] == "reshardable"]

@@ -39,11 +39,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Before torch initialises cuBLAS: its deterministic workspace.
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-# Before Transformer Engine is imported: its fused attention's backward is nondeterministic otherwise,
-# and TE's kernels raise no torch warning, so the tolerance rule below could not name them.
-os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+from tests.gpu.determinism import apply as apply_deterministic_env
+
+# Before torch initialises cuBLAS (its deterministic workspace) and Transformer Engine is imported
+# (its fused attention's backward is nondeterministic otherwise, and TE's kernels raise no torch
+# warning, so the tolerance rule below could not name them).
+DETERMINISTIC_ENV = apply_deterministic_env(os.environ)
 
 import torch  # noqa: E402
 
@@ -183,6 +184,7 @@ class Drive:
 
     def write(self) -> None:
         self.result["nondeterministic_warnings"] = nondeterministic_kernels(self.caught)
+        self.result["deterministic_env"] = {k: os.environ.get(k) for k in DETERMINISTIC_ENV}
         self.out.write_text(json.dumps(self.result, indent=1, default=str))
 
     def phase(self, name: str, fn: Callable[[], None]) -> None:
