@@ -104,6 +104,17 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 
 @pytest.fixture
+def shm_root() -> Iterator[Path]:
+    """A tier-0 root on the machine's tmpfs, removed afterwards."""
+    root = Path("/dev/shm") / f"rp-test-{uuid.uuid4().hex[:12]}"
+    root.mkdir()
+    try:
+        yield root
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+@pytest.fixture
 def bucket(s3_endpoint: str) -> str:
     import uuid
 

@@ -10,13 +10,9 @@ Without ``host_copy`` (the CPU default) nothing is copied and the wait is for th
 
 from __future__ import annotations
 
-import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 
 from pretrain.checkpointing.memory_tier import MemoryTier
@@ -27,16 +23,6 @@ from tiering.collective import SingleProcess
 from tiering.manifest import Manifest
 
 TOPOLOGY = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
-
-
-@pytest.fixture
-def shm_root() -> Iterator[Path]:
-    root = Path("/dev/shm") / f"rp-test-{uuid.uuid4().hex[:12]}"
-    root.mkdir()
-    try:
-        yield root
-    finally:
-        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 def _tier(root: Path, host_copy: bool | None) -> MemoryTier:

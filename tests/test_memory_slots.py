@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import errno
 import io
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,17 +113,6 @@ def test_common_step_is_the_newest_every_rank_holds(per_rank: list[list[int]], e
 
 
 # -- real slot files ---------------------------------------------------------------------------------
-@pytest.fixture
-def shm_root() -> Iterator[Path]:
-    """A tier-0 root on the machine's tmpfs, removed afterwards."""
-    root = Path("/dev/shm") / f"rp-test-{uuid.uuid4().hex[:12]}"
-    root.mkdir()
-    try:
-        yield root
-    finally:
-        subprocess.run(["rm", "-rf", str(root)], check=False)
-
-
 def _payload(value: float) -> dict[str, object]:
     return {"w": torch.full((64, 1024), value), "step": int(value)}
 
