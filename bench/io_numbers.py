@@ -53,7 +53,7 @@ import torch.multiprocessing as mp
 from bench.memory_state import ReclaimedStart, tree_bytes
 from bench.pairs import alternate
 from pretrain.checkpointing.async_writer import save_state
-from pretrain.checkpointing.per_rank import load_verified_state
+from pretrain.checkpointing.rank_payload import load_verified_state
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec, chunk_count, chunk_range
 from tiering.layout import RunLayout
@@ -252,7 +252,7 @@ import json, sys, torch
 from pathlib import Path
 from bench.io_numbers import STATE
 from pretrain.checkpointing.async_writer import save_state
-from pretrain.checkpointing.per_rank import load_verified_state
+from pretrain.checkpointing.rank_payload import load_verified_state
 from tiering.verify import verify_step
 step_dir = Path(sys.argv[1])
 shapes = {k: v for k, v in torch.load(step_dir / STATE, weights_only=True, mmap=True).items()}

@@ -38,7 +38,7 @@ import torch
 from bench.io_numbers import make_state
 from bench.pairs import alternate
 from pretrain.checkpointing.async_writer import save_state
-from pretrain.checkpointing.per_rank import load_verified_state
+from pretrain.checkpointing.rank_payload import load_verified_state
 from tiering.digest import READ_BLOCK, HashSpec
 from tiering.manifest import Manifest
 from tiering.memory.slot_store import SlotStore

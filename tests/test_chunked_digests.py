@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpointing.per_rank import load_verified_state
+from pretrain.checkpointing.rank_payload import load_verified_state
 from tests.corruptions import CHUNK, CORRUPTIONS, RUN, STATE, publish_step, state_bytes
 from tests.helpers import arrived, events, metrics_by_step, overrides_for, torchrun
 from tiering.collective import SingleProcess

@@ -19,7 +19,7 @@ import torch
 from prometheus_client import generate_latest
 
 from pretrain.checkpointing.async_writer import BackgroundWrite, save_state
-from pretrain.checkpointing.per_rank import load_verified_state, owned_tensors
+from pretrain.checkpointing.rank_payload import load_verified_state, owned_tensors
 from pretrain.checkpointing.reporting import failure_reason
 from pretrain.observability.metrics import TrainingMetrics
 from tests.helpers import events, overrides_for, tmpfs, torchrun

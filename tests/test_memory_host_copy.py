@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpointing.memory_tier import MemoryTier
-from pretrain.checkpointing.per_rank import load_verified_state
+from pretrain.checkpointing.rank_payload import load_verified_state
 from pretrain.config import load_config
 from tests.helpers import TINY
 from tiering.collective import SingleProcess

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pretrain.checkpointing.memory_tier import MemoryTier
-from pretrain.checkpointing.per_rank import load_verified_state
+from pretrain.checkpointing.rank_payload import load_verified_state
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from tests.helpers import TINY, flip_byte, tmpfs

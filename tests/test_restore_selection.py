@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpointing.per_rank import STATE_FILE, PerRankCheckpoints, build_per_rank_checkpoints
+from pretrain.checkpointing.per_rank import PerRankCheckpoints
+from pretrain.checkpointing.per_rank_assembly import build_per_rank_checkpoints
+from pretrain.checkpointing.rank_payload import STATE_FILE
 from pretrain.checkpointing.state import TrainingState
 from pretrain.config import Config, load_config
 from pretrain.data.dataset import GlobalBatchSampler

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpointing.per_rank import build_per_rank_checkpoints
+from pretrain.checkpointing.per_rank_assembly import build_per_rank_checkpoints
 from tests.test_restore_selection import _cfg, _state, _train_to
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError

@@ -51,7 +51,7 @@ from pretrain.checkpointing.memory_budget import (
     node_budget,
     pinned_bytes,
 )
-from pretrain.checkpointing.per_rank import FORMAT, apply_payload, load_verified_state, rank_payload
+from pretrain.checkpointing.rank_payload import FORMAT, apply_payload, load_verified_state, rank_payload
 from pretrain.checkpointing.state import SaveResult, TrainingState, step_manifest
 from pretrain.config import Config
 from pretrain.errors import ConfigError

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from pretrain.checkpointing.agent.client import AgentLink, spec_for
 from pretrain.checkpointing.agent_tier import AgentTier
 from pretrain.checkpointing.memory_tier import MemoryTier
-from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints, build_per_rank_checkpoints
+from pretrain.checkpointing.per_rank import TIERS_SKIPPED, PerRankCheckpoints
+from pretrain.checkpointing.per_rank_assembly import build_per_rank_checkpoints
 from pretrain.checkpointing.reshardable import ReshardableCheckpoints
 from pretrain.checkpointing.run_key_source import load_run_key
 from pretrain.checkpointing.state import RestoreResult, TrainingState

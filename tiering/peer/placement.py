@@ -4,7 +4,7 @@ Owns: the level a job's failure domains are taken at (a label chain from ``pretr
 falls back to the next label, then the node), and which ranks hold each rank's replicas (balanced:
 no node holds more than ``ceil(replicas / nodes)``). Pure logic and logging, no I/O beyond the
 environment read by :func:`node_name`/:func:`failure_domain`. Called by the trainer's per-rank tier
-(``pretrain/checkpointing/per_rank.py``) once every rank's identity is gathered.
+(``pretrain/checkpointing/per_rank_assembly.py``) once every rank's identity is gathered.
 """
 
 from __future__ import annotations
