@@ -119,7 +119,8 @@ def train(cfg: Config) -> RunSummary:
     phases.mark_signals_until_replaced()
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     global _AGENT_WATCH  # noqa: PLW0603 - one connection for the process's life, in-process restarts included
-    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg)  # the node's agent reads the pulse from outside
+    # the node's agent reads the pulse from outside
+    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, cfg.fault_tolerance.hang_watch_s)
     phases.enter("startup")
     device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
     gloo_lazy_init(os.environ, cuda, cfg.fault_tolerance.inprocess.enabled)
@@ -162,7 +163,7 @@ def _release_agent() -> None:
 
 def _train_in_group(cfg: Config, rank: int, world: int, phases: PhaseRecord | None = None) -> RunSummary:
     """One attempt inside its frame: opened, run, and on any exception reported and closed."""
-    ctx = open_attempt(cfg, rank, world, control_collective(), phases)
+    ctx = open_attempt(cfg.run, cfg.fault_tolerance, cfg.metrics, rank, world, control_collective(), phases)
     try:
         return _run_attempt(cfg, rank, world, ctx)
     except JobStopped:

@@ -188,7 +188,7 @@ def test_the_configured_timeouts_bound_a_request_to_a_store_that_stopped_answeri
             "checkpoint.s3.max_attempts=1",
         ],
     )
-    remote = remote_tier(cfg)
+    remote = remote_tier(cfg.checkpoint.s3, cfg.run.id, cfg.fault_tolerance.inject.s3_fault, cfg.source)
     proxy.black_hole()
     t0 = time.monotonic()
     with pytest.raises(ObjectStoreError, match="ReadTimeoutError"):

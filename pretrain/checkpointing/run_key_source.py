@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain.config import Config
+from pretrain.config import IntegrityConfig, RunConfig
 from pretrain.observability.runlog import run_dir
 from tiering.collective import Collective
 from tiering.errors import RunKeyError
@@ -25,20 +25,18 @@ from tiering.peer.run_key import RunKey, key_file_from_env, load, load_or_create
 DEFAULT_NAME = "run.key"
 
 
-def key_path(cfg: Config) -> tuple[Path, bool]:
+def key_path(integrity: IntegrityConfig, run: RunConfig) -> tuple[Path, bool]:
     """The key file and whether this program may create it (only the default one)."""
-    named = key_file_from_env() or (
-        Path(cfg.checkpoint.integrity.run_key_file) if cfg.checkpoint.integrity.run_key_file else None
-    )
+    named = key_file_from_env() or (Path(integrity.run_key_file) if integrity.run_key_file else None)
     if named is not None:
         return named, False
-    return run_dir(cfg.run.dir, cfg.run.id) / DEFAULT_NAME, True
+    return run_dir(run.dir, run.id) / DEFAULT_NAME, True
 
 
-def load_run_key(cfg: Config, coll: Collective) -> RunKey:
+def load_run_key(integrity: IntegrityConfig, run: RunConfig, coll: Collective) -> RunKey:
     """Rank 0 loads (or creates) the key first; then every other rank loads it. Raises RunKeyError
     (one line) on every rank when rank 0 could not."""
-    path, may_create = key_path(cfg)
+    path, may_create = key_path(integrity, run)
     error: str | None = None
     if coll.rank == 0:
         try:

@@ -65,7 +65,7 @@ class TieredCheckpointer:
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
         # The run key tags every transfer between ranks and signs every staging/S3 manifest.
-        self._run_key = load_run_key(cfg, coll) if self._keyed(cfg) else None
+        self._run_key = load_run_key(cfg.checkpoint.integrity, cfg.run, coll) if self._keyed(cfg) else None
         signer = ManifestSigner(self._run_key) if self._run_key is not None else None
         # The lease first: a job that may not write this run fails before anything else starts.
         self.remote = self._open_remote(signer) if cfg.checkpoint.s3.uri else None
@@ -93,7 +93,7 @@ class TieredCheckpointer:
     def _agent_tier(self, memory: MemoryTier, local: PerRankCheckpoints) -> AgentTier:
         """Tier 1 through the node's agent: the rank asks it to persist tier 0's sealed slots."""
         ck = self.cfg.checkpoint
-        spec = spec_for(self.cfg)
+        spec = spec_for(self.cfg.run, ck, self.cfg.fault_tolerance.hang_watch_s)
         if ck.memory.slots < 3 and self.coll.rank == 0:
             log.warning(
                 "tier 1 through the agent with checkpoint.memory.slots=%d: a snapshot may overwrite the slot the "
@@ -164,7 +164,7 @@ class TieredCheckpointer:
     # -- suspect (poisoned) steps ----------------------------------------------------------------
     @property
     def _suspect_path(self) -> Path:
-        return suspects_path(self.cfg)
+        return suspects_path(self.cfg.run)
 
     def suspect_steps(self) -> set[int]:
         """Steps that verified but produced NaN/Inf right after a restore: never restored again."""

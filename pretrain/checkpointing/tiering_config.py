@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pretrain.checkpointing.run_key_source import key_path
-from pretrain.config import Config, s3_owner
+from pretrain.config import Config, IntegrityConfig, ReshardableTierConfig, RunConfig, S3TierConfig, s3_owner
 from pretrain.errors import ConfigError
 from pretrain.observability.runlog import run_dir
 from tiering import cli as tiering_cli
@@ -25,34 +25,34 @@ from tiering.signature import ManifestSigner
 SUSPECTS_NAME = "suspect-steps.json"  # written by the trainer (TieredCheckpointer.quarantine_everywhere)
 
 
-def manifest_signer(cfg: Config, create: bool = True) -> ManifestSigner:
+def manifest_signer(integrity: IntegrityConfig, run: RunConfig, create: bool = True) -> ManifestSigner:
     """The run key's manifest signer (the trainer's key file; with ``create``, the default one is
     created if absent, as rank 0 would: concurrent creators agree on one key). RunKeyError: one
     line with the fix."""
-    path, may_create = key_path(cfg)
+    path, may_create = key_path(integrity, run)
     return ManifestSigner(load_or_create(path, create=create and may_create))
 
 
-def suspects_path(cfg: Config) -> Path:
+def suspects_path(run: RunConfig) -> Path:
     """The run's list of poisoned steps (never restored, never counted as verified by GC)."""
-    return run_dir(cfg.run.dir, cfg.run.id) / SUSPECTS_NAME
+    return run_dir(run.dir, run.id) / SUSPECTS_NAME
 
 
-def remote_tier(cfg: Config, signer: ManifestSigner | None = None) -> RemoteTier:
-    """The run's object store tier; ConfigError if ``checkpoint.s3.uri`` is not set."""
-    s3 = cfg.checkpoint.s3
+def remote_tier(
+    s3: S3TierConfig, run_id: str, s3_fault: str | None, source: str, signer: ManifestSigner | None = None
+) -> RemoteTier:
+    """The run's object store tier (``source``: the config file, for the error; ``s3_fault``:
+    ``fault_tolerance.inject.s3_fault``); ConfigError if ``checkpoint.s3.uri`` is not set."""
     if not s3.uri:
-        raise ConfigError(
-            f"{cfg.source}: checkpoint.s3.uri is not set; fix: set it to s3://bucket/prefix or file:///path"
-        )
+        raise ConfigError(f"{source}: checkpoint.s3.uri is not set; fix: set it to s3://bucket/prefix or file:///path")
     return RemoteTier.open(
         s3.uri,
-        cfg.run.id,
+        run_id,
         endpoint_url=s3.endpoint_url,
         concurrency=s3.concurrency,
         multipart_chunk_mb=s3.multipart_chunk_mb,
         checksum_header=s3.checksum_header,
-        fault=cfg.fault_tolerance.inject.s3_fault,
+        fault=s3_fault,
         max_attempts=s3.max_attempts,
         connect_timeout_s=s3.connect_timeout_s,
         read_timeout_s=s3.read_timeout_s,
@@ -61,10 +61,9 @@ def remote_tier(cfg: Config, signer: ManifestSigner | None = None) -> RemoteTier
     )
 
 
-def staging_tier(cfg: Config, signer: ManifestSigner | None = None) -> PosixTier:
+def staging_tier(tier: ReshardableTierConfig, run_id: str, signer: ManifestSigner | None = None) -> PosixTier:
     """The reshardable tier the uploader promotes from."""
-    tier = cfg.checkpoint.reshardable
-    return PosixTier(tier.dir, cfg.run.id, tier.keep, name="reshardable", expect_hash=PORTABLE_HASH, signer=signer)
+    return PosixTier(tier.dir, run_id, tier.keep, name="reshardable", expect_hash=PORTABLE_HASH, signer=signer)
 
 
 def run_upload(
@@ -72,12 +71,13 @@ def run_upload(
 ) -> int:
     """``tiering upload`` with the store, run, owner, polling and backoff of ``cfg``."""
     s3 = cfg.checkpoint.s3
-    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
-    signer = manifest_signer(cfg)
+    # a config error first, before any key file is looked for
+    remote = remote_tier(s3, cfg.run.id, cfg.fault_tolerance.inject.s3_fault, cfg.source)
+    signer = manifest_signer(cfg.checkpoint.integrity, cfg.run)
     remote.signer = signer
     return tiering_cli.upload(
         remote,
-        staging_tier(cfg, signer),
+        staging_tier(cfg.checkpoint.reshardable, cfg.run.id, signer),
         s3_owner(cfg),
         watch=watch,
         poll_s=s3.poll_s,
@@ -91,13 +91,14 @@ def run_gc(cfg: Config, *, apply: bool = False) -> int:
     """``tiering gc`` with ``checkpoint.s3.keep`` and ``checkpoint.s3.milestone_every``, the run
     key and the run's suspect list."""
     s3 = cfg.checkpoint.s3
-    remote = remote_tier(cfg)  # a config error first, before any key file is looked for
-    remote.signer = manifest_signer(cfg, create=False)  # GC never makes up a key
+    # a config error first, before any key file is looked for
+    remote = remote_tier(s3, cfg.run.id, cfg.fault_tolerance.inject.s3_fault, cfg.source)
+    remote.signer = manifest_signer(cfg.checkpoint.integrity, cfg.run, create=False)  # GC never makes up a key
     return tiering_cli.gc(
         remote,
         s3.keep,
         s3.milestone_every,
         apply=apply,
         min_age_s=s3.gc_min_age_s,
-        suspects=tiering_cli.read_suspects(suspects_path(cfg)),
+        suspects=tiering_cli.read_suspects(suspects_path(cfg.run)),
     )

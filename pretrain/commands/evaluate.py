@@ -54,7 +54,7 @@ from tiering.verify import verify_step
 
 def run_signer(cfg: Config) -> ManifestSigner:
     """The signer of the training run's key, read (never created) from where the run keeps it."""
-    path, _ = key_path(cfg)
+    path, _ = key_path(cfg.checkpoint.integrity, cfg.run)
     try:
         return ManifestSigner(load_key(path))
     except RunKeyError as exc:
@@ -151,7 +151,7 @@ def run_evaluate(cfg: Config, checkpoint: str, step: int | None) -> int:
         result = evaluate(cfg, checkpoint, step)
     except VerificationError as exc:
         if SIGNATURE_NAME in str(exc):  # most often: the step of another run, checked with this one's key
-            key, _ = key_path(cfg)
+            key, _ = key_path(cfg.checkpoint.integrity, cfg.run)
             raise ConfigError(
                 f"{checkpoint}: its signature does not verify under the run key {key}: {exc}; a step of "
                 "another run needs that run's key: --set checkpoint.integrity.run_key_file=PATH"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Config, FaultToleranceConfig, MetricsConfig
+from pretrain.config import FaultToleranceConfig, MetricsConfig, RunConfig
 from pretrain.errors import JobStopped, PreemptedError, StragglerExcluded
 from pretrain.observability.goodput import GoodputCollector
 from pretrain.observability.metrics import MetricsServer, TrainingMetrics
@@ -98,17 +98,25 @@ def _metrics_server(settings: MetricsConfig, metrics: TrainingMetrics) -> Metric
         return None
 
 
-def open_attempt(cfg: Config, rank: int, world: int, coll: Collective, phases: PhaseRecord | None) -> AttemptContext:
+def open_attempt(
+    run: RunConfig,
+    ft: FaultToleranceConfig,
+    metrics_settings: MetricsConfig,
+    rank: int,
+    world: int,
+    coll: Collective,
+    phases: PhaseRecord | None,
+) -> AttemptContext:
     """Collective: see the module docstring. Raises JobStopped when the run must not go on."""
     attempt = coll.broadcast(f"attempt-{launcher_restart_count():02d}-{uuid.uuid4().hex[:8]}")
     hosts = coll.all_gather(socket.gethostname())
     if phases is not None:
         phases.attempt = attempt
-    rdir = run_dir(cfg.run.dir, cfg.run.id)
+    rdir = run_dir(run.dir, run.id)
     _refuse_if_stopped(rank, rdir, coll)
     records = AttemptLog(rdir, enabled=rank == 0)
     records.begin(attempt, world, hosts, restart_counters())
-    decision = _stop_decision(cfg.fault_tolerance, records) if rank == 0 else None
+    decision = _stop_decision(ft, records) if rank == 0 else None
     if decision:
         write_stop(rdir, decision, attempt=records.record.get("attempt"))
         records.end("stopped", None, stop_reason=decision)
@@ -125,19 +133,18 @@ def open_attempt(cfg: Config, rank: int, world: int, coll: Collective, phases: P
         record_failure(rdir, attempt, rank, classify(PreemptedError(message)))
         records.end("preempted", None, emergency=message)
 
-    ft = cfg.fault_tolerance
     watch = PreemptionWatch(
         parse_signals(ft.preemption_signals),
         ft.emergency_save_timeout,
         deadline_passed,
         on_signal=phases.mark_signal if phases is not None else lambda name: None,
     )
-    metrics = TrainingMetrics(cfg.run.id)
+    metrics = TrainingMetrics(run.id)
     server = None
     if rank == 0:
         metrics.from_history(records.history)
-        metrics.registry.register(GoodputCollector(rdir, cfg.run.id))  # from the records, at each scrape
-        server = _metrics_server(cfg.metrics, metrics)
+        metrics.registry.register(GoodputCollector(rdir, run.id))  # from the records, at each scrape
+        server = _metrics_server(metrics_settings, metrics)
     return AttemptContext(attempt, rank, rdir, records, watch, metrics, previous_failure, phases, server)
 
 

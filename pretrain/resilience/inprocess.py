@@ -36,7 +36,7 @@ from megatron.core import parallel_state
 from nvidia_resiliency_ext import inprocess
 
 from pretrain.checkpointing.reshardable import reset_writer
-from pretrain.config import Config
+from pretrain.config import Config, S3TierConfig
 from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.collective_abort import IncarnationConnections
 from pretrain.resilience.restarts import INCARNATION_ENV
@@ -67,10 +67,10 @@ def _reset_training_state() -> None:
     gc.collect()
 
 
-def _ports_to_keep(cfg: Config, store_ports: list[int]) -> list[int]:
+def _ports_to_keep(metrics_port: int, s3: S3TierConfig, store_ports: list[int]) -> list[int]:
     """Connections that outlive an incarnation: rendezvous stores, the exporter, the object store."""
-    ports = [*store_ports, int(os.environ.get("MASTER_PORT", "0")), cfg.metrics.port]
-    endpoint = cfg.checkpoint.s3.endpoint_url
+    ports = [*store_ports, int(os.environ.get("MASTER_PORT", "0")), metrics_port]
+    endpoint = s3.endpoint_url
     if endpoint:
         parsed = urlsplit(endpoint)
         ports.append(parsed.port or (443 if parsed.scheme == "https" else 80))
@@ -160,7 +160,9 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
     host = os.environ["MASTER_ADDR"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     wrapper_port, groups_port = _store_ports(ipc.store_port, host, rank, _seconds(ipc.barrier_timeout))
-    connections = IncarnationConnections(keep_ports=_ports_to_keep(cfg, [wrapper_port, groups_port]))
+    connections = IncarnationConnections(
+        keep_ports=_ports_to_keep(cfg.metrics.port, cfg.checkpoint.s3, [wrapper_port, groups_port])
+    )
     # The store the process groups rendezvous on: made once, a fresh prefix per incarnation.
     pg_store = dist.TCPStore(
         host, groups_port, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False

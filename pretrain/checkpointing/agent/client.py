@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpointing.agent.server import AgentSpec
-from pretrain.config import Config
+from pretrain.config import CheckpointConfig, RunConfig
 from pretrain.errors import AgentGone
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.standby.wire import receive, require_same_user, send
@@ -37,19 +37,19 @@ RETRIES = 3  # a reset connection is retried this often, a little later each tim
 START_WAIT_S = 10.0  # an agent imports tiering only: it listens within a fraction of a second
 
 
-def spec_for(cfg: Config) -> AgentSpec:
-    """The agent of ``cfg``'s run on this node (absolute paths: it outlives the rank's cwd)."""
-    ck = cfg.checkpoint
+def spec_for(run: RunConfig, ck: CheckpointConfig, hang_watch_s: float) -> AgentSpec:
+    """The agent of ``run`` on this node (absolute paths: it outlives the rank's cwd);
+    ``hang_watch_s``: ``fault_tolerance.hang_watch_s``."""
     return AgentSpec(
-        run_id=cfg.run.id,
+        run_id=run.id,
         memory_root=os.path.abspath(ck.memory.dir),
         local_root=os.path.abspath(ck.local.dir),
         slots=ck.memory.slots,
         keep=ck.local.keep,
-        status_dir=os.path.abspath(run_dir(cfg.run.dir, cfg.run.id)),
+        status_dir=os.path.abspath(run_dir(run.dir, run.id)),
         idle_exit_s=ck.agent.idle_exit_s,
         hash_threads=ck.integrity.hash_threads,
-        hang_watch_s=cfg.fault_tolerance.hang_watch_s,
+        hang_watch_s=hang_watch_s,
     )
 
 
@@ -159,14 +159,14 @@ class AgentLink:
         raise AgentGone(f"checkpoint agent did not listen within {START_WAIT_S:.0f}s; see {log_path}")
 
 
-def keep_agent_watching(cfg: Config) -> AgentLink | None:
+def keep_agent_watching(run: RunConfig, ck: CheckpointConfig, hang_watch_s: float) -> AgentLink | None:
     """With ``fault_tolerance.hang_watch_s``: make sure the node's agent runs (it watches every
     rank of the run on the node) and keep a connection open for this process's life, so that the
     agent stays while a rank lives. None when the watch is off; a failure to start it is one
     warning (NVRx's timeouts still find hangs), never a failed rank."""
-    if cfg.fault_tolerance.hang_watch_s <= 0:
+    if hang_watch_s <= 0:
         return None
-    link = AgentLink(spec_for(cfg), cfg.checkpoint.agent.timeout_s)
+    link = AgentLink(spec_for(run, ck, hang_watch_s), ck.agent.timeout_s)
     try:
         link.request({"op": "hello"})
     except AgentGone as exc:
