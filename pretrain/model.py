@@ -18,7 +18,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pretrain.config import Config, ModelConfig, ParallelConfig, padded_vocab_size
+from pretrain.config import ModelConfig, ParallelConfig
 
 
 class SDPACoreAttention(MegatronModule):
@@ -136,17 +136,18 @@ def layer_spec(model: ModelConfig):
     return spec
 
 
-def build_model(cfg: Config, tconfig: TransformerConfig) -> GPTModel:
-    """One GPTModel chunk for this rank's pipeline stage (no virtual pipeline)."""
+def build_model(model_cfg: ModelConfig, padded_vocab: int, tconfig: TransformerConfig) -> GPTModel:
+    """One GPTModel chunk for this rank's pipeline stage (no virtual pipeline); ``padded_vocab``:
+    :func:`pretrain.config.padded_vocab_size` of the run's config."""
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(cfg.model),
-        vocab_size=padded_vocab_size(cfg),
-        max_sequence_length=cfg.model.seq_length,
+        transformer_layer_spec=layer_spec(model_cfg),
+        vocab_size=padded_vocab,
+        max_sequence_length=model_cfg.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not cfg.model.untie_embeddings,
-        position_embedding_type=cfg.model.position_embedding,
+        share_embeddings_and_output_weights=not model_cfg.untie_embeddings,
+        position_embedding_type=model_cfg.position_embedding,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -34,7 +34,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from pretrain.config import Config, OptimizerConfig, ParallelConfig
+from pretrain.config import OptimizerConfig, ParallelConfig, ScheduleConfig
 from pretrain.platform.compat import MEM_EFFICIENT_KEY, fully_reshardable_mem_efficient
 
 
@@ -281,10 +281,13 @@ def uses_distributed_optimizer(parallel: ParallelConfig) -> bool:
     return mode == "on" or (mode == "auto" and torch.cuda.is_available())
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module) -> TrainOptimizer:
-    if uses_distributed_optimizer(cfg.parallel):
-        return MegatronDistributedOptimizer(cfg.optimizer, cfg.model.precision, model)
-    return CpuAdamW(cfg.optimizer, model)
+def build_optimizer(
+    optimizer: OptimizerConfig, parallel: ParallelConfig, precision: str, model: torch.nn.Module
+) -> TrainOptimizer:
+    """``precision``: ``model.precision``."""
+    if uses_distributed_optimizer(parallel):
+        return MegatronDistributedOptimizer(optimizer, precision, model)
+    return CpuAdamW(optimizer, model)
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
@@ -309,9 +312,12 @@ class _SchedulerTarget:
         return self._opt.param_groups
 
 
-def build_scheduler(cfg: Config, opt: TrainOptimizer) -> OptimizerParamScheduler:
-    s, o = cfg.schedule, cfg.optimizer
-    decay_steps = s.decay_steps if s.decay_steps is not None else cfg.train.steps
+def build_scheduler(
+    schedule: ScheduleConfig, optimizer: OptimizerConfig, train_steps: int, opt: TrainOptimizer
+) -> OptimizerParamScheduler:
+    """``train_steps``: ``train.steps``, the decay length when ``schedule.decay_steps`` is unset."""
+    s, o = schedule, optimizer
+    decay_steps = s.decay_steps if s.decay_steps is not None else train_steps
     return OptimizerParamScheduler(
         _SchedulerTarget(opt),  # type: ignore[arg-type]
         init_lr=0.0,

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from pretrain.checkpointing.state import TrainingState
 from pretrain.checkpointing.tiered import TieredCheckpointer
-from pretrain.config import Config, ParallelConfig, data_parallel_size
+from pretrain.config import Config, ParallelConfig, data_parallel_size, padded_vocab_size, resolve_vocab_size
 from pretrain.data.dataset import GlobalBatchSampler, build_datasets, snapshot_id
 from pretrain.model import build_model, resolve_spec_name, transformer_config
 from pretrain.observability.runlog import RunLog
@@ -126,8 +126,8 @@ def _training_state(
 ) -> TrainingState:
     dp = data_parallel_size(cfg, world)
     topology = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": dp, "world_size": world}
-    optimizer = build_optimizer(cfg, ddp)
-    scheduler = build_scheduler(cfg, optimizer)
+    optimizer = build_optimizer(cfg.optimizer, cfg.parallel, cfg.model.precision, ddp)
+    scheduler = build_scheduler(cfg.schedule, cfg.optimizer, cfg.train.steps, optimizer)
     sampler = GlobalBatchSampler(
         samples,
         cfg.data.global_batch_size,
@@ -151,9 +151,11 @@ def build_session(cfg: Config, rank: int, world: int, attempt: str, phases: Phas
     coll = control_collective()
     runlog = RunLog(cfg.run.dir, cfg.run.id, attempt, enabled=rank == 0)
     seed_everything(cfg.train.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
-    dataset, valid = build_datasets(cfg)
+    dataset, valid = build_datasets(
+        cfg.data, cfg.train.seed, cfg.model.seq_length, functools.partial(resolve_vocab_size, cfg)
+    )
     tconfig = transformer_config(cfg.model, cfg.parallel)
-    model = build_model(cfg, tconfig)
+    model = build_model(cfg.model, padded_vocab_size(cfg), tconfig)
     ddp = _wrap_ddp(cfg.parallel, tconfig, model)
     state = _training_state(cfg, world, model, ddp, len(dataset))
     if rank == 0:

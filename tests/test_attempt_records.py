@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.utils.data import Dataset
 
-from pretrain.config import load_config
+from pretrain.config import Config, load_config, resolve_vocab_size
 from pretrain.data.dataset import build_train_dataset
 from pretrain.data.prepare import build_indexed_dataset
 from pretrain.resilience.attempts import AttemptLog, record_failure
@@ -176,19 +177,25 @@ def test_only_the_same_failure_repeating_counts_towards_a_stop(failures: list[tu
     assert failures_without_progress(history) == expected
 
 
+def _train_dataset(cfg: Config) -> Dataset:
+    return build_train_dataset(cfg.data, cfg.train.seed, cfg.model.seq_length, lambda: resolve_vocab_size(cfg))
+
+
 def test_a_missing_or_empty_dataset_is_a_data_failure(tmp_path: Path) -> None:
     """The dataset's error is the one DataError classify() knows (it once had its own class and was
     classified as a user error)."""
     missing = load_config(str(TINY), [f"data.prefix={tmp_path / 'nowhere'}"])
     with pytest.raises(Exception) as caught:
-        build_train_dataset(missing)
+        build_train_dataset(
+            missing.data, missing.train.seed, missing.model.seq_length, lambda: resolve_vocab_size(missing)
+        )
     info = classify(caught.value)
     assert info.classification == "data" and "nowhere" in info.exception and "fix:" in info.exception
 
     build_indexed_dataset(iter(["tiny"]), tmp_path / "empty")
     empty = load_config(str(TINY), [f"data.prefix={tmp_path / 'empty'}"])
     with pytest.raises(Exception) as caught:
-        build_train_dataset(empty)
+        _train_dataset(empty)
     assert classify(caught.value).classification == "data", caught.value
 
 

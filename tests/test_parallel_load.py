@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.serialization import get_default_load_shar
 from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy
 
 from pretrain.checkpointing.reshardable import load_strategy, save_strategy
-from pretrain.config import load_config
+from pretrain.config import load_config, padded_vocab_size
 from pretrain.model import build_model, transformer_config
 from pretrain.platform import cpu_shims
 from tests.helpers import TINY, two_gloo_ranks
@@ -61,7 +61,7 @@ class RecordingLoad(LoadShardedStrategy):
 def _model(seed: int) -> torch.nn.Module:
     cfg = load_config(TINY, [])
     torch.manual_seed(seed)
-    return build_model(cfg, transformer_config(cfg.model, cfg.parallel))
+    return build_model(cfg.model, padded_vocab_size(cfg), transformer_config(cfg.model, cfg.parallel))
 
 
 def _load(model: torch.nn.Module, checkpoint: Path, wrapped: bool) -> dict[str, int]:

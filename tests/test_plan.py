@@ -28,7 +28,7 @@ from pretrain.commands.plan import (
 )
 from pretrain.commands.plan_model import model_size
 from pretrain.commands.plan_sources import costs_from_bench, costs_from_run
-from pretrain.config import load_config
+from pretrain.config import load_config, padded_vocab_size
 from pretrain.model import build_model, transformer_config
 from pretrain.optim import CpuAdamW
 from tests.helpers import PYTHON, REPO, TINY
@@ -120,7 +120,7 @@ def test_the_derived_parameter_count_and_state_bytes_equal_the_built_model(varia
     cfg = load_config(str(TINY), VARIANTS[variant])
     size = model_size(cfg, world_size=1)
     with one_rank_megatron(tmp_path):
-        model = build_model(cfg, transformer_config(cfg.model, cfg.parallel))
+        model = build_model(cfg.model, padded_vocab_size(cfg), transformer_config(cfg.model, cfg.parallel))
         optimizer = CpuAdamW(cfg.optimizer, model)
         built = sum(p.numel() for p in model.parameters())
         tensors = list(model.state_dict().values()) + [

@@ -60,7 +60,15 @@ def _state(cfg: Config) -> TrainingState:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     optimizer = CpuAdamW(cfg.optimizer, model)
     sampler = GlobalBatchSampler(1000, cfg.data.global_batch_size, cfg.data.micro_batch_size, 0, 1, cfg.train.seed)
-    return TrainingState(cfg, model, optimizer, build_scheduler(cfg, optimizer), sampler, dict(TOPOLOGY), "snap")
+    return TrainingState(
+        cfg,
+        model,
+        optimizer,
+        build_scheduler(cfg.schedule, cfg.optimizer, cfg.train.steps, optimizer),
+        sampler,
+        dict(TOPOLOGY),
+        "snap",
+    )
 
 
 def _tiers(cfg: Config, attempt: str = "a0", topology: dict[str, int] = TOPOLOGY) -> PerRankCheckpoints:

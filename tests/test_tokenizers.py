@@ -339,6 +339,6 @@ def test_training_dataset_uses_the_configured_tokenizer(tmp_path: Path, bpe: Pat
             f"data.cache_dir={tmp_path / 'cache'}",
         ],
     )
-    dataset = build_train_dataset(cfg)
+    dataset = build_train_dataset(cfg.data, cfg.train.seed, cfg.model.seq_length, lambda: resolve_vocab_size(cfg))
     sample = dataset[0]["tokens"]
     assert len(dataset) > 0 and int(sample.max()) < resolve_vocab_size(cfg)

@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from pretrain.config import padded_vocab_size
 from pretrain.model import build_model, transformer_config
 from pretrain.platform import cpu_shims
 from pretrain.rank_state import seed_everything
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.checkpoint) / "model"
     cfg = config(args.mode, Path(tempfile.gettempdir()), "reshard", CPU_MODEL)
     seed_everything(cfg.train.seed)
-    model = build_model(cfg, transformer_config(cfg.model, cfg.parallel))
+    model = build_model(cfg.model, padded_vocab_size(cfg), transformer_config(cfg.model, cfg.parallel))
     saved = dist_checkpointing.load_tensors_metadata(str(model_dir))
     wanted = targets(model.sharded_state_dict(), saved)
     loaded = dist_checkpointing.load(dict(wanted), str(model_dir))
