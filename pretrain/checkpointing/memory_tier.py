@@ -183,7 +183,7 @@ class MemoryTier:
         if not self.enabled:  # turned off while the manager waited for the previous write
             return 0.0
         t0 = time.perf_counter()
-        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+        manifest = step_manifest(self.cfg.run.id, self.cfg.data, state, FORMAT, self.attempt, owner_rank=self.rank)
         return self.start_payload(state.step, rank_payload(state, self.rank), manifest, t0)
 
     def start_payload(self, step: int, payload: dict[str, Any], manifest: Manifest, t0: float) -> float:

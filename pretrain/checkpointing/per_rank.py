@@ -246,7 +246,7 @@ class PerRankCheckpoints(BackgroundSaves):
             error = str(exc)
         if error is None and deadline is not None and time.monotonic() > deadline:
             error = "emergency save deadline passed before commit"
-        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+        manifest = step_manifest(self.cfg.run.id, self.cfg.data, state, FORMAT, self.attempt, owner_rank=self.rank)
         result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0, digest)
         self._slowest_s = max(self._slowest_s, time.perf_counter() - t0)
         if self._keep_host_copy and payload is not None:

@@ -56,7 +56,9 @@ class BackgroundSaves:
         tmp = self.store.layout.tmp_dir(step, self.attempt)
         entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
         try:
-            entry["manifest"] = step_manifest(self.cfg, state, FORMAT, self.attempt, owner_rank=self.rank)
+            entry["manifest"] = step_manifest(
+                self.cfg.run.id, self.cfg.data, state, FORMAT, self.attempt, owner_rank=self.rank
+            )
             fault = writer_fault(self.cfg.fault_tolerance.inject, self.rank, step)
             payload = self._payload(state)
             mode = self._async_mode()

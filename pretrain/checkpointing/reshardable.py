@@ -208,7 +208,7 @@ class ReshardableCheckpoints:
             self._write(tmp, state, background=False)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
             error = self._write_error(tmp, state.step, exc)
-        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
+        manifest = step_manifest(self.cfg.run.id, self.cfg.data, state, FORMAT, self.attempt)
         return self._commit(state.step, tmp, manifest, error, t0, blocked=None)
 
     # -- background saves (Megatron's async dist-checkpoint save) -----------------------------------
@@ -244,7 +244,7 @@ class ReshardableCheckpoints:
         if errors and scheduled:
             self._drop_queue()  # another rank could not start: its writer never finalizes with ours
         blocked = time.perf_counter() - t0
-        manifest = step_manifest(self.cfg, state, FORMAT, self.attempt)
+        manifest = step_manifest(self.cfg.run.id, self.cfg.data, state, FORMAT, self.attempt)
         writer = self._writer_process() if scheduled else None
         self._inflight = {"step": state.step, "tmp": tmp, "manifest": manifest, "t0": t0, "blocked": blocked}
         self._inflight["error"] = error or (f"another rank failed to start its writer: {errors[0]}" if errors else None)

@@ -162,9 +162,12 @@ def reseed_after_reshard(train: TrainConfig, step: int, rank: int) -> None:
     seed_everything(train.seed + 7919 * step + rank)
 
 
-def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **extra: Any) -> Manifest:
+def step_manifest(
+    run_id: str, data: DataConfig, state: TrainingState, fmt: str, attempt: str, **extra: Any
+) -> Manifest:
+    """The manifest of ``state``'s step of run ``run_id``; ``data``: the run's data section (its tokenizer)."""
     return manifest_for(
-        cfg.run.id,
+        run_id,
         state.step,
         state.topology["world_size"],
         {k: v for k, v in state.topology.items() if k != "world_size"},
@@ -176,7 +179,7 @@ def step_manifest(cfg: Config, state: TrainingState, fmt: str, attempt: str, **e
             "consumed_samples": state.consumed_samples,
             "consumed_tokens": state.consumed_tokens,
             "attempt": attempt,
-            "tokenizer": _tokenizer_identity(cfg.data.tokenizer, cfg.data.tokenizer_path),
+            "tokenizer": _tokenizer_identity(data.tokenizer, data.tokenizer_path),
             **extra,
         },
     )

@@ -23,7 +23,7 @@ from pretrain.checkpointing.run_key_source import load_run_key
 from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.checkpointing.tiering_config import suspects_path
-from pretrain.config import Config, s3_owner
+from pretrain.config import CheckpointConfig, Config, s3_owner
 from pretrain.errors import FreshStartRefused
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, TorchCollective
@@ -65,7 +65,7 @@ class TieredCheckpointer:
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
         # The run key tags every transfer between ranks and signs every staging/S3 manifest.
-        self._run_key = load_run_key(cfg.checkpoint.integrity, cfg.run, coll) if self._keyed(cfg) else None
+        self._run_key = load_run_key(cfg.checkpoint.integrity, cfg.run, coll) if self._keyed(cfg.checkpoint) else None
         signer = ManifestSigner(self._run_key) if self._run_key is not None else None
         # The lease first: a job that may not write this run fails before anything else starts.
         self.remote = self._open_remote(signer) if cfg.checkpoint.s3.uri else None
@@ -133,9 +133,8 @@ class TieredCheckpointer:
         self.memory.attach_peers(holders, Transport(group, rep.timeout_s, piece=PEER_PIECE, key=self._run_key))
 
     @staticmethod
-    def _keyed(cfg: Config) -> bool:
+    def _keyed(ckpt: CheckpointConfig) -> bool:
         """Whether a tier that moves or signs steps is on (every one but tier 0 alone)."""
-        ckpt = cfg.checkpoint
         return bool(ckpt.local.enabled or ckpt.reshardable.enabled or ckpt.s3.uri)
 
     def _open_remote(self, signer: ManifestSigner | None) -> RemoteTier:
