@@ -160,9 +160,8 @@ def run_inprocess(cfg: Config, body: Callable[[], Any]) -> Any:
     host = os.environ["MASTER_ADDR"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     wrapper_port, groups_port = _store_ports(ipc.store_port, host, rank, _seconds(ipc.barrier_timeout))
-    connections = IncarnationConnections(
-        keep_ports=_ports_to_keep(cfg.metrics.port, cfg.checkpoint.s3, [wrapper_port, groups_port])
-    )
+    keep = _ports_to_keep(cfg.metrics.port, cfg.checkpoint.s3, [wrapper_port, groups_port])
+    connections = IncarnationConnections(keep_ports=keep)
     # The store the process groups rendezvous on: made once, a fresh prefix per incarnation.
     pg_store = dist.TCPStore(
         host, groups_port, world, is_master=rank == 0, timeout=_seconds(ipc.barrier_timeout), wait_for_workers=False
