@@ -116,8 +116,6 @@ def shm_root() -> Iterator[Path]:
 
 @pytest.fixture
 def bucket(s3_endpoint: str) -> str:
-    import uuid
-
     import boto3
 
     name = f"t-{uuid.uuid4().hex[:12]}"

@@ -7,6 +7,7 @@ not stop for: tier 1's storage stalled or full (the object store unreachable: te
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,12 @@ KINDS = "kill-rank,sigsegv,exception,sigstop,corrupt-kill,kill-job,sigterm,gil"
 STEPS = 52
 
 
+def _failure_detail(work: Path, proc: subprocess.CompletedProcess[str]) -> str:
+    """The soak's report and the end of its output: a string, since pytest cuts a tuple's repr to
+    one line (which hid CI's failing check)."""
+    return (work / "soak-report.md").read_text() + "\n" + proc.stdout[-2000:]
+
+
 @pytest.mark.timeout(600)  # about 2 min on an idle 2-core machine (see the commit that set STEPS)
 @pytest.mark.slow  # a job of a minute: make test runs it, make test-fast leaves it out
 def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_path: Path, corpus: Path) -> None:
@@ -32,8 +39,7 @@ def test_six_random_faults_recover_bit_equal_and_are_recorded_as_injected(tmp_pa
     proc = run(cmd, tmp_path, timeout=540, check=False)
     report = json.loads((work / "soak-report.json").read_text())
     h = report["headline"]
-    # A string, not a tuple: pytest cuts a tuple's repr to a line, which hid CI's failing check.
-    detail = (work / "soak-report.md").read_text() + "\n" + proc.stdout[-2000:]
+    detail = _failure_detail(work, proc)
     assert h["faults_injected"] == 6 and len(h["kinds_injected"]) == 6, detail
     assert h["recovery_success_rate"] == 1.0 and h["run_completed"], detail
     assert h["losses_bit_equal"] and h["losses_compared"] >= STEPS, detail  # recomputed steps included
@@ -81,8 +87,7 @@ def test_storage_faults_are_recorded_and_tier_1_comes_back_without_a_restart(tmp
     proc = run(cmd, tmp_path, timeout=400, check=False)
     report = json.loads((work / "soak-report.json").read_text())
     h = report["headline"]
-    # A string, not a tuple: pytest cuts a tuple's repr to a line, which hid CI's failing check.
-    detail = (work / "soak-report.md").read_text() + "\n" + proc.stdout[-2000:]
+    detail = _failure_detail(work, proc)
     assert proc.returncode == 0 and report["passed"], detail
     assert sorted(h["kinds_injected"]) == ["blocked-write", "full-disk"] and h["recovery_success_rate"] == 1.0, detail
     assert h["losses_bit_equal"] and h["record_mismatches"] == [], detail
