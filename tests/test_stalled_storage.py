@@ -70,7 +70,7 @@ def _poll_until_done(tiers: PerRankCheckpoints, limit_s: float) -> None:
 
 def _wait_usable(tiers: PerRankCheckpoints, limit_s: float = 10.0) -> float:
     t0 = time.monotonic()
-    while not tiers.agree_healthy():
+    while tiers.storage.agreed_healthy() is not None:
         assert time.monotonic() - t0 < limit_s, "the tier never came back after the storage answered"
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -118,11 +118,11 @@ def test_a_write_that_never_returns_marks_the_tier_stalled_and_saves_resume_once
         _poll_until_done(tiers, 10 * DEADLINE_S)
     stalled_after = time.monotonic() - t0
     assert DEADLINE_S <= stalled_after < DEADLINE_S + 2.0
-    assert not tiers.health.healthy and tiers.in_flight is None and not tiers.busy()
+    assert not tiers.storage.healthy and tiers.in_flight is None and not tiers.busy()
     _train_to(state, 30)
-    with pytest.raises(TierStalled, match="tier 1 save of step 30 skipped: stalled"):
+    with pytest.raises(TierStalled, match="tier 1 save of step 30 skipped: rank 0: stalled"):
         tiers.start_async(state)  # skipped at once: nothing is written while the storage stalls
-    assert not tiers.agree_healthy()  # a probe runs in its own process; the gate is still closed
+    assert tiers.storage.agreed_healthy() is not None  # a probe runs in its own process; the gate is still closed
     gated.open()
     assert _wait_usable(tiers) < 2.0
     _train_to(state, 40)
@@ -186,8 +186,8 @@ def test_a_restore_never_waits_on_a_stalled_tier(tmp_path: Path, gated: GatedMou
     after = _tiers(cfg, "a1")  # its prepare() probes the storage in a process it does not wait for
     plan = after.plan_restore()
     assert time.monotonic() - t0 < DEADLINE_S + 2.0
-    assert plan.restore is None and "tiers 1-2 skipped: stalled: a probe write" in plan.rejected[0]
-    assert not after.health.healthy
+    assert plan.restore is None and "tiers 1-2 skipped: rank 0: stalled: a probe write" in plan.rejected[0]
+    assert not after.storage.healthy
     gated.open()
     assert _wait_usable(after) < 2.0
     assert _tiers(cfg, "a2").plan_restore().restore.step == 10

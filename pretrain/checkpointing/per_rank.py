@@ -38,7 +38,7 @@ from pretrain.checkpointing.rank_payload import (
     rank_payload,
 )
 from pretrain.checkpointing.state import SaveResult, TrainingState, step_manifest
-from pretrain.checkpointing.tier_health import DISK_FULL, STALLED, TierHealth, TierStalled, log_stall, stall_deadline
+from pretrain.checkpointing.tier_health import DISK_FULL, STALLED, AgreedTierHealth, TierHealth, log_stall
 from pretrain.config import Config
 from pretrain.errors import ConfigError
 from pretrain.resilience.phases import PhaseRecord
@@ -139,8 +139,9 @@ class PerRankCheckpoints(BackgroundSaves):
         self.replicator = replicator
         self.recovery = recovery
         local = cfg.checkpoint.local
-        self.health = TierHealth(Path(local.dir) / ".health" / f"probe-{self.rank:05d}", local.probe_interval_s)
-        self._slowest_s = 0.0  # the slowest tier-1 save of this attempt (the default stall deadline)
+        # Every rank probes its own: each owns its writer (tier_health's one rule for every tier).
+        health = TierHealth(Path(local.dir) / ".health" / f"probe-{self.rank:05d}", local.probe_interval_s)
+        self.storage = AgreedTierHealth(health, self.coll, local.stall_timeout_s, self._report_stall)
 
     def stores(self) -> list[Any]:
         """The tier 1-2 stores on this rank: its own steps and the replicas it holds for peers."""
@@ -149,11 +150,11 @@ class PerRankCheckpoints(BackgroundSaves):
         ]
 
     def prepare(self) -> None:
-        """Probe the storage (in its own process, for at most the stall deadline: a stalled tier is
-        marked unhealthy and left alone); drop this rank's temporary directories left by earlier
-        attempts; remember the size of the newest committed step (what the first save needs room for)."""
-        if not self.health.check_now(self.stall_deadline()):
-            self._report_stall(f"{self.health.reason}")
+        """Collective: probe the storage (in its own process, for at most the stall deadline: a
+        stalled tier is marked unhealthy and left alone, on every rank); drop this rank's temporary
+        directories left by earlier attempts; remember the size of the newest committed step (what
+        the first save needs room for)."""
+        if not self.storage.probe_at_start():
             return
         for store in self.stores():
             for path in store.clean_stale_tmp(self.attempt):
@@ -192,32 +193,17 @@ class PerRankCheckpoints(BackgroundSaves):
             )
         return dropped
 
-    # -- stalled storage ---------------------------------------------------------------------------
-    def stall_deadline(self) -> float:
-        """Seconds a save (or the start-of-attempt probe) may take before the storage counts as stalled."""
-        return stall_deadline(self.cfg.checkpoint.local.stall_timeout_s, self._slowest_s)
-
-    def agree_healthy(self) -> bool:
-        """Collective: is every rank's tier-1 storage answering? (Non-blocking on each rank: a
-        stalled one is probed in the background, see :class:`TierHealth`.)"""
-        return all(self.coll.all_gather(self.health.usable()))
-
+    # -- stalled storage (the verdicts: self.storage, tier_health's rule) ----------------------------
     def _report_stall(self, what: str) -> None:
         """The one line a rank logs when its tier-1 storage stops answering."""
         probe_s = self.cfg.checkpoint.local.probe_interval_s
         log_stall(self.rank, "tier 1", self.node_root, what, "checkpoint.local", probe_s)
 
-    def _skip_if_stalled(self, step: int) -> None:
-        if not self.agree_healthy():
-            why = self.health.reason or "another rank's tier-1 storage is stalled"
-            raise TierStalled(f"tier 1 save of step {step} skipped: {why}")
-
     def _stalled(self, step: int, what: str, write: BackgroundWrite | None = None) -> PublishError:
         """This rank's save of ``step`` passed its deadline: abandon it and mark the tier unhealthy."""
         if write is not None:
             write.abandon()
-        if self.health.mark_stalled(what):
-            self._report_stall(what)
+        self.storage.stalled(what)
         return PublishError(f"step {step} is not complete in tier 1: {what}")
 
     # -- save ------------------------------------------------------------------------------------
@@ -233,7 +219,7 @@ class PerRankCheckpoints(BackgroundSaves):
         forked (see :meth:`_write_now`).
         """
         self.finish_publishing()
-        self._skip_if_stalled(state.step)
+        self.storage.skip_if_stalled(state.step)
         t0 = time.perf_counter()
         error = None
         tmp: Path | None = None
@@ -248,7 +234,7 @@ class PerRankCheckpoints(BackgroundSaves):
             error = "emergency save deadline passed before commit"
         manifest = step_manifest(self.cfg.run.id, self.cfg.data, state, FORMAT, self.attempt, owner_rank=self.rank)
         result = self._publish(state.step, tmp, manifest, error, t0, time.perf_counter() - t0, digest)
-        self._slowest_s = max(self._slowest_s, time.perf_counter() - t0)
+        self.storage.saved(time.perf_counter() - t0)
         if self._keep_host_copy and payload is not None:
             HOST_COPIES[(self.run_id, self.rank)] = (state.step, copy.deepcopy(payload))
         return result
@@ -265,7 +251,7 @@ class PerRankCheckpoints(BackgroundSaves):
             tmp = self.publisher.begin(step, self._needed_bytes(), lambda: self._make_room(step))
             return tmp, write_file_durably(tmp / STATE_FILE, lambda fh: save_state(payload, fh), self.hashing), None
         tmp, expected = self.store.layout.tmp_dir(step, self.attempt), self._needed_bytes()
-        limit = self.stall_deadline()
+        limit = self.storage.deadline()
         if deadline is not None:
             limit = min(limit, max(0.0, deadline - time.monotonic()))
 
@@ -276,7 +262,7 @@ class PerRankCheckpoints(BackgroundSaves):
         outcome = write.poll(block=True, timeout=limit)
         if outcome is not None:
             return tmp, outcome.digest, outcome.error
-        if limit < self.stall_deadline():  # the emergency deadline, not a stall
+        if limit < self.storage.deadline():  # the emergency deadline, not a stall
             write.abandon()
             return None, None, "emergency save deadline passed before commit"
         what = f"{STALLED}: the write of {write.path} did not finish within {limit:.1f}s"
@@ -372,8 +358,8 @@ class PerRankCheckpoints(BackgroundSaves):
     def plan_restore(self) -> PeerPlanResult:
         """Collective: find (and fetch, if needed) the newest step every rank can obtain; nothing
         (the restore falls back) when any rank's tier-1 storage is stalled."""
-        if not self.agree_healthy():
-            why = self.health.reason or "another rank's tier-1 storage is stalled"
+        why = self.storage.agreed_healthy()
+        if why is not None:
             return PeerPlanResult(None, rejected=[f"{TIERS_SKIPPED}: {why}"])
         return self.recovery.recover()
 

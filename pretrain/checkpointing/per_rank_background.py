@@ -6,9 +6,9 @@ state and write it in a writer (thread or forked process, :mod:`pretrain.checkpo
 agree with every rank when the writers are done, then run the commit, replication and retention
 (``PerRankCheckpoints._publish``) on a :class:`PublishInFlight` thread, off the training step. A
 writer or publish past the stall deadline is abandoned and the tier marked stalled through the
-tier's own stall handling (``stall_deadline``, ``_stalled``, ``_report_stall``). It never commits,
-replicates or restores by itself: it uses the tier's ``store``, ``publisher``, ``replicator``,
-``health``, ``_payload``, ``_needed_bytes``, ``_make_room`` and ``_publish``. Only
+tier's storage health (``storage``, :class:`~pretrain.checkpointing.tier_health.AgreedTierHealth`,
+and ``_stalled``). It never commits, replicates or restores by itself: it uses the tier's ``store``,
+``publisher``, ``replicator``, ``storage``, ``_payload``, ``_needed_bytes``, ``_make_room`` and ``_publish``. Only
 ``PerRankCheckpoints`` uses it.
 """
 
@@ -51,7 +51,7 @@ class BackgroundSaves:
         was blocked. Every rank starts at the same step; :meth:`poll_async` publishes it."""
         assert self.in_flight is None, "one tier-1 save in flight at most"
         step = state.step
-        self._skip_if_stalled(step)
+        self.storage.skip_if_stalled(step)
         t0 = time.perf_counter()
         tmp = self.store.layout.tmp_dir(step, self.attempt)
         entry: dict[str, Any] = {"step": step, "t0": t0, "tmp": tmp, "write": None, "error": None}
@@ -135,7 +135,7 @@ class BackgroundSaves:
             return None
         self._publishing = None
         result = job.result()  # raises the PublishError of a failed save
-        self._slowest_s = max(self._slowest_s, time.perf_counter() - job.t0)
+        self.storage.saved(time.perf_counter() - job.t0)
         if self._keep_host_copy and job.host_copy is not None:
             HOST_COPIES[(self.run_id, self.rank)] = (job.step, job.host_copy)
         return result
@@ -146,7 +146,7 @@ class BackgroundSaves:
         write = entry["write"]
         if write is None:
             return None, entry["error"] or "ok"
-        deadline = self.stall_deadline()
+        deadline = self.storage.deadline()
         outcome = write.poll(block, timeout=max(0.0, deadline - (time.perf_counter() - entry["t0"])))
         if outcome is not None:
             return outcome, entry["error"] or outcome.error or "ok"
@@ -158,7 +158,7 @@ class BackgroundSaves:
         """Whether the background publish of ``job`` ended (``block``: wait for it, up to the
         stall deadline). Past the deadline it is abandoned (a daemon thread nothing joins) and the
         tier marked stalled: PublishError."""
-        deadline = self.stall_deadline()
+        deadline = self.storage.deadline()
         if block:
             job.wait(max(0.0, deadline - (time.perf_counter() - job.t0)))
         if job.done():
@@ -184,10 +184,10 @@ class BackgroundSaves:
         """Leaving without publishing (an exception unwinds the loop): stop a fork writer; give
         a publish in flight the replication timeout to end (a lost peer fails it sooner)."""
         if self._inflight is not None and self._inflight["write"] is not None:
-            self._inflight["write"].kill(wait_s=min(5.0, self.stall_deadline()))
+            self._inflight["write"].kill(wait_s=min(5.0, self.storage.deadline()))
         self._inflight = None
         if self._publishing is not None:
-            self._publishing.wait(min(self.cfg.checkpoint.replication.timeout_s, self.stall_deadline()))
+            self._publishing.wait(min(self.cfg.checkpoint.replication.timeout_s, self.storage.deadline()))
         self._publishing = None
 
     def finish_publishing(self) -> None:
@@ -197,9 +197,12 @@ class BackgroundSaves:
         does not end within the stall deadline marks the tier stalled (poll_async reports it)."""
         job = self._publishing
         if job is not None:
-            job.wait(max(0.0, self.stall_deadline() - (time.perf_counter() - job.t0)))
-            if not job.done() and self.health.mark_stalled(f"{STALLED}: the publish of step {job.step} hangs"):
-                self._report_stall(f"the commit and replication of step {job.step} did not finish in time")
+            job.wait(max(0.0, self.storage.deadline() - (time.perf_counter() - job.t0)))
+            if not job.done():
+                deadline = self.storage.deadline()
+                self.storage.stalled(
+                    f"{STALLED}: the commit and replication of step {job.step} did not finish within {deadline:.1f}s"
+                )
 
     def _async_mode(self) -> str:
         mode = self.cfg.checkpoint.async_.mode

@@ -15,7 +15,7 @@ A step directory holds:
 The directory must be visible to every rank (shared storage, or the staging area of the S3 tier).
 
 Shared storage stalls (an NFS or Lustre server that stops answering): a write there waits in the
-kernel for as long as it does. The tier's health (:mod:`pretrain.checkpointing.shared_health`)
+kernel for as long as it does. The tier's health (:mod:`pretrain.checkpointing.tier_health`, one rule for every tier)
 decides, the same on every rank: at the start of an attempt a probe per node (if one does not
 answer, nothing of the attempt touches the tier: no check, no cleaning, no listing, no restore, no
 S3 download into it; the restore goes on with the other tiers); during a background save, a
@@ -60,7 +60,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain.checkpointing import dcp_metadata
 from pretrain.checkpointing.async_writer import killed_by_signal
-from pretrain.checkpointing.shared_health import SharedStorageHealth, WriteWatch
 from pretrain.checkpointing.shared_storage import check_shared
 from pretrain.checkpointing.state import (
     RestoreResult,
@@ -72,7 +71,15 @@ from pretrain.checkpointing.state import (
     step_manifest,
     trainer_state,
 )
-from pretrain.checkpointing.tier_health import STALLED, log_stall, process_tree
+from pretrain.checkpointing.tier_health import (
+    STALLED,
+    AgreedTierHealth,
+    TierHealth,
+    WriteProgress,
+    WriteWatch,
+    log_stall,
+    process_tree,
+)
 from pretrain.config import Config
 from pretrain.platform.compat import (
     async_save_kwargs,
@@ -95,6 +102,7 @@ from tiering.verify import verify_step
 log = logging.getLogger(__name__)
 
 FORMAT = "megatron-dist+rank-state/v1"
+RESHARDABLE_SKIPPED = "reshardable tier skipped"  # how a restore says it did not wait on a stalled tier
 WRITER_EXIT_WAIT_S = 2.0  # a killed writer not gone by then is held by the kernel (stalled storage)
 POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) this often
 
@@ -161,9 +169,11 @@ class ReshardableCheckpoints:
         self._inflight: dict[str, Any] | None = None
         # Whether the next non-blocking poll may finalize (see poll_fits_in_step): agreed per step.
         self._may_finalize = True
-        self.storage = SharedStorageHealth(
-            self.tier.layout.run_dir, coll, tier_cfg.stall_timeout_s, tier_cfg.probe_interval_s, self._report_stall
-        )
+        # One rank per node probes: a node's ranks share its mount (see tier_health).
+        probe_dir = self.tier.layout.run_dir / ".health" / f"probe-{coll.rank:05d}"
+        health = TierHealth(probe_dir, tier_cfg.probe_interval_s, "reshardable")
+        probes = os.environ.get("LOCAL_RANK", "0") == "0"
+        self.storage = AgreedTierHealth(health, coll, tier_cfg.stall_timeout_s, self._report_stall, probes)
 
     def prepare(self) -> None:
         """At start-up (old world gone): probe the storage (see the module docstring); if it answers
@@ -182,6 +192,12 @@ class ReshardableCheckpoints:
     def _report_stall(self, what: str) -> None:
         probe_s = self.cfg.checkpoint.reshardable.probe_interval_s
         log_stall(self.coll.rank, "reshardable tier", self.tier.layout.run_dir, what, "checkpoint.reshardable", probe_s)
+
+    def stalled_note(self) -> str | None:
+        """Collective, non-blocking: None if every rank may read the tier now; else the restore's
+        note saying why it did not wait on it (the first stalled rank named)."""
+        why = self.storage.agreed_healthy()
+        return None if why is None else f"{RESHARDABLE_SKIPPED}: {why}"
 
     def newest_committed(self) -> int | None:
         """Rank 0's cheap look (no hashing) at the newest committed step, shared with every rank."""
@@ -248,7 +264,7 @@ class ReshardableCheckpoints:
         writer = self._writer_process() if scheduled else None
         self._inflight = {"step": state.step, "tmp": tmp, "manifest": manifest, "t0": t0, "blocked": blocked}
         self._inflight["error"] = error or (f"another rank failed to start its writer: {errors[0]}" if errors else None)
-        self._inflight["watch"] = self.storage.watch(writer.pid if writer is not None else None)
+        self._inflight["watch"] = self.storage.watch(WriteProgress(writer.pid) if writer is not None else None)
         if self._record_event is not None:
             pid = writer.pid if writer is not None else None
             self._record_event("save_started", tier=self.name, step=state.step, writer_pid=pid, blocked=blocked)
@@ -289,7 +305,7 @@ class ReshardableCheckpoints:
 
     def _writers_done(self, entry: dict[str, Any], block: bool, stop_when_idle: bool) -> tuple[bool, str | None]:
         """Collective: (every rank's writer ended, the error if one failed or stalled: see
-        :class:`~pretrain.checkpointing.shared_health.WriteWatch`); ``block`` waits until the
+        :class:`~pretrain.checkpointing.tier_health.WriteWatch`); ``block`` waits until the
         writers end or stall, or (``stop_when_idle``) some writer has written nothing for the stall
         deadline (a stall is suspected: its verdict takes a deadline more, which a rank waiting
         for it inside the checkpointing section may not live to see)."""
@@ -353,7 +369,7 @@ class ReshardableCheckpoints:
         """Collective tail of every save: publish (or abort everywhere), then retention."""
         self.publisher.commit(tmp, manifest, local_error=error)
         self._last_step_bytes = manifest.total_bytes
-        self.storage.saved(time.perf_counter() - t0)
+        self.storage.agree_slowest(time.perf_counter() - t0)
         if self.coll.rank == 0:
             for old in self.tier.apply_retention():
                 log.info("retention: deleted reshardable step %d (keep=%d)", old, self.cfg.checkpoint.reshardable.keep)

@@ -21,10 +21,21 @@ stalls, and a process with a thread stuck there cannot even finish exiting. So:
   as the storage does), then at most every ``probe_interval_s`` after one that failed; reading
   the last one's exit is all it does, and an answer makes the tier healthy again.
 
-The callers (:class:`pretrain.checkpointing.per_rank.PerRankCheckpoints`,
+* :class:`AgreedTierHealth`: the one rule every tier follows (tier 1 and the reshardable tier),
+  made collective: the deadline, the start-of-attempt probe, the skip of a save while any rank's
+  storage is stalled, the restore's question, and :class:`WriteWatch`, the verdict on a background
+  write (stalled only when the writer has written nothing for the deadline *and* a probe of its
+  storage then goes unanswered for the deadline too: a slow write on storage that answers is
+  never abandoned). Every question is answered the same on every rank, so no rank takes a
+  collective the others skip. ``probes``: whether this rank probes; the reshardable tier probes
+  from one rank per node (a node's ranks share its mount; thousands of probes at once would be a
+  metadata storm on a shared file system), tier 1 from every rank (each owns its writer).
+
+Time and probes are collaborators (``clock``, ``new_probe``), so every verdict is tested in one
+process on a fake clock (tests/test_tier_health.py). The callers
+(:class:`pretrain.checkpointing.per_rank.PerRankCheckpoints`,
 :class:`pretrain.checkpointing.reshardable.ReshardableCheckpoints`) decide what a stall means for
-the job: they abandon the stuck writer, skip the tier's saves and restores while any rank's tier
-is unhealthy, and report it (:func:`log_stall`, the metric, the alert).
+the job: they abandon the stuck writer and report it (:func:`log_stall`, the metric, the alert).
 """
 
 from __future__ import annotations
@@ -33,9 +44,12 @@ import logging
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from tiering.collective import Collective
 from tiering.errors import PublishError
 
 log = logging.getLogger(__name__)
@@ -44,6 +58,7 @@ STALL_FLOOR_S = 60.0  # no deadline below this unless configured: a busy NVMe ca
 STALL_FACTOR = 10.0  # x the slowest save seen: a 10x slowdown is a stall, not a slow disk
 STALLED = "stalled"  # how a stalled save's message starts (and its failure reason)
 DISK_FULL = "disk_full"  # the reason of a save (or of the room made for one) that found its volume full
+START_PROBE_S = 30.0  # the longest the start of an attempt waits for a probe (the setup section must not pass first)
 
 # What the probe process runs: the calls a save makes (create, write, fsync, rename, delete).
 _PROBE = """
@@ -65,6 +80,16 @@ def stall_deadline(configured: float | None, slowest_save_s: float) -> float:
     if configured is not None:
         return configured
     return max(STALL_FLOOR_S, STALL_FACTOR * slowest_save_s)
+
+
+class Probe(Protocol):
+    """One probe of a tier's storage under way: :class:`StorageProbe`, or a test's."""
+
+    started: float  # on the health's clock
+
+    def poll(self) -> bool | None: ...
+
+    def wait(self, timeout: float) -> bool | None: ...
 
 
 class StorageProbe:
@@ -138,6 +163,14 @@ def written_bytes(pid: int) -> int | None:
     return total if tree else None
 
 
+class Progress(Protocol):
+    """How long a background writer has written nothing: :class:`WriteProgress`, or a test's."""
+
+    def idle_s(self) -> float: ...
+
+    def restart(self) -> None: ...
+
+
 class WriteProgress:
     """Seconds since a background writer last wrote (see :func:`written_bytes`); ``restart`` starts
     the count again (the storage answered a probe: the writer is slow, not stalled)."""
@@ -159,32 +192,34 @@ class WriteProgress:
 
 @dataclass
 class TierHealth:
-    """The health of one rank's tier-1 storage (see the module docstring)."""
+    """The health of one rank's storage of a tier (see the module docstring)."""
 
     where: Path  # the directory probed (under the tier's directory)
     probe_interval_s: float
     label: str = "tier 1"  # how log lines name the tier
     healthy: bool = True
     reason: str | None = None
-    since: float | None = None  # time.monotonic() it became unhealthy
-    _probe: StorageProbe | None = None
+    since: float | None = None  # when it became unhealthy (on ``clock``)
+    clock: Callable[[], float] = time.monotonic
+    new_probe: Callable[[Path], Probe] = field(default=StorageProbe, repr=False)
+    _probe: Probe | None = None
     _last_probe: float = 0.0
 
-    def mark_stalled(self, reason: str, probe: StorageProbe | None = None) -> bool:
+    def mark_stalled(self, reason: str, probe: Probe | None = None) -> bool:
         """Unhealthy from now on (until a probe answers: ``probe``, one already waiting on the
         storage, or a new one); True if it was healthy until now."""
         was = self.healthy
         self.healthy, self.reason = False, reason
         if was:
-            self.since = self._last_probe = time.monotonic()
+            self.since = self._last_probe = self.clock()
             if self._probe is None:  # at once: it answers the moment the storage does
-                self._probe = probe if probe is not None else StorageProbe(self.where)
+                self._probe = probe if probe is not None else self.new_probe(self.where)
         return was
 
     def check_now(self, timeout: float) -> bool:
         """One probe, waited for at most ``timeout`` seconds (start of an attempt, before the
         restore reads the tier): False, and the tier unhealthy, if the storage did not answer."""
-        probe = StorageProbe(self.where)
+        probe = self.new_probe(self.where)
         answer = probe.wait(timeout)
         if answer:
             return True
@@ -208,14 +243,14 @@ class TierHealth:
                     "%s storage answers again (probe of %s) after %.0fs stalled (%s): its saves resume",
                     self.label,
                     self.where,
-                    time.monotonic() - (self.since or time.monotonic()),
+                    self.clock() - (self.since or self.clock()),
                     self.reason,
                 )
                 self.healthy, self.reason, self.since = True, None, None
                 return True
-        if time.monotonic() - self._last_probe >= self.probe_interval_s:
-            self._last_probe = time.monotonic()
-            self._probe = StorageProbe(self.where)
+        if self.clock() - self._last_probe >= self.probe_interval_s:
+            self._last_probe = self.clock()
+            self._probe = self.new_probe(self.where)
         return False
 
 
@@ -239,3 +274,132 @@ def log_stall(rank: int, label: str, where: Path, what: str, setting: str, probe
 class TierStalled(PublishError):
     """A save not even started: some rank's storage of that tier is stalled (the tier is skipped until
     every rank's probe answers). Reported as a skip, never as a failed save, and never stops the job."""
+
+
+class AgreedTierHealth:
+    """One tier's storage health, every verdict the same on every rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        health: TierHealth,
+        coll: Collective,
+        stall_timeout_s: float | None,
+        report: Callable[[str], None],
+        probes: bool = True,
+    ) -> None:
+        """``health``: this rank's (its label names the tier in every message); ``report``: the one
+        line a probing rank logs when its storage stalls; ``probes``: whether this rank probes."""
+        self.health = health
+        self.coll = coll
+        self.stall_timeout_s = stall_timeout_s
+        self.report = report
+        self.probes = probes
+        self._slowest_s = 0.0  # the slowest save of this attempt (agreed where ``agree_slowest`` is used)
+
+    @property
+    def healthy(self) -> bool:
+        """This rank's storage, as last known (read, never probed: no storage call)."""
+        return self.health.healthy
+
+    def deadline(self) -> float:
+        """Seconds a save (or the start-of-attempt probe) may take before the storage counts as stalled."""
+        return stall_deadline(self.stall_timeout_s, self._slowest_s)
+
+    def saved(self, seconds: float) -> None:
+        """This rank's save took ``seconds``: the default deadline grows with the slowest."""
+        self._slowest_s = max(self._slowest_s, seconds)
+
+    def agree_slowest(self, seconds: float) -> None:
+        """Collective (every rank, after each published save): as :meth:`saved`, with the slowest
+        of every rank (each rank's clock differs), so the deadline is the same everywhere."""
+        self._slowest_s = max(self._slowest_s, max(self.coll.all_gather(seconds)))
+
+    def probe_at_start(self) -> bool:
+        """Collective: did every probing rank's storage answer within the deadline (at most
+        START_PROBE_S)? A rank whose probe did not is marked stalled and reports it."""
+        ok = self.health.check_now(min(self.deadline(), START_PROBE_S)) if self.probes else True
+        if all(self.coll.all_gather(ok)):
+            return True
+        if not ok:
+            self.report(self.health.reason or STALLED)
+        return False
+
+    def agreed_healthy(self) -> str | None:
+        """Collective, non-blocking (a stalled rank's probe runs in the background, see
+        :meth:`TierHealth.usable`): None if every rank may touch the tier now; else why not, the
+        same line on every rank, naming the first stalled rank."""
+        usable = self.health.usable()
+        reasons = self.coll.all_gather(None if usable else (self.health.reason or STALLED))
+        stalled = [(rank, why) for rank, why in enumerate(reasons) if why is not None]
+        return f"rank {stalled[0][0]}: {stalled[0][1]}" if stalled else None
+
+    def skip_if_stalled(self, step: int) -> None:
+        """Collective: a save is not even started while any rank's storage is stalled."""
+        why = self.agreed_healthy()
+        if why is not None:
+            raise TierStalled(f"{self.health.label} save of step {step} skipped: {why}")
+
+    def stalled(self, what: str, probe: Probe | None = None) -> bool:
+        """A save of this rank was abandoned: a probing rank marks its storage stalled (``probe``:
+        its own that has not answered, kept as the one that tells when the storage answers) and
+        reports it once; True if it was healthy until now."""
+        if self.probes and self.health.mark_stalled(what, probe):
+            self.report(what)
+            return True
+        return False
+
+    def watch(self, progress: Progress | None) -> WriteWatch:
+        """The verdict on one background write whose writer's progress is ``progress`` (None where
+        ``/proc`` cannot follow the writer: no deadline then)."""
+        return WriteWatch(self, progress)
+
+
+class WriteWatch:
+    """One background save's stall verdict (see the module docstring), asked at every poll."""
+
+    def __init__(self, agreed: AgreedTierHealth, progress: Progress | None) -> None:
+        self.h = agreed
+        self.progress = progress
+        self.confirm: Probe | None = None  # a probing rank's probe once some writer went idle
+        self.longest_idle_s = 0.0  # the idlest rank's writer at the last verdict, the same on every rank
+
+    def verdict(self, writer_ended: bool) -> str | None:
+        """Collective: None while no writer is stalled; else the stall, in one line. One integer
+        gathered per poll; a second gather only while some writer is idle past the deadline."""
+        deadline_ms = int(self.h.deadline() * 1000)
+        # An ended writer is not idle; where /proc cannot follow a writer there is no deadline (a
+        # stall then holds the next blocking wait until the section timeout ends the rank).
+        idle_ms = 0 if writer_ended or self.progress is None else int(self.progress.idle_s() * 1000)
+        left_ms = self.h.coll.min_int(deadline_ms - idle_ms)
+        self.longest_idle_s = (deadline_ms - left_ms) / 1000
+        if left_ms >= 0:
+            return None
+        rows = self.h.coll.all_gather((idle_ms, self._unanswered_ms()))
+        unanswered = [(rank, ms) for rank, (_, ms) in enumerate(rows) if ms >= deadline_ms]
+        if unanswered:
+            idle_rank = max(range(len(rows)), key=lambda r: rows[r][0])
+            return (
+                f"{STALLED}: rank {idle_rank}'s writer wrote nothing for {rows[idle_rank][0] / 1000:.1f}s and "
+                f"rank {unanswered[0][0]}'s probe of the storage went unanswered for "
+                f"{unanswered[0][1] / 1000:.1f}s (deadline {deadline_ms / 1000:.1f}s)"
+            )
+        answered = all(ms <= 0 for _, ms in rows) and any(ms < 0 for _, ms in rows)
+        if answered and self.progress is not None:  # the storage is alive: the writer is only slow
+            self.progress.restart()
+        return None
+
+    def _unanswered_ms(self) -> int:
+        """A probing rank's probe: ms it has gone unanswered, or -1 once it answered (the next
+        call starts another); 0 on the others."""
+        if not self.h.probes:
+            return 0
+        health = self.h.health
+        if self.confirm is None:
+            try:
+                self.confirm = health.new_probe(health.where)
+            except OSError:  # no process to spare now: asked again at the next poll (never one rank's raise)
+                return 0
+        if self.confirm.poll() is None:
+            return int((health.clock() - self.confirm.started) * 1000)
+        self.confirm = None
+        return -1

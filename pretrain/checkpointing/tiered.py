@@ -107,7 +107,7 @@ class TieredCheckpointer:
             memory,
             link,
             local,
-            local.stall_deadline(),
+            local.storage.deadline(),
             local.store.layout.steps_dir,
             self.cfg.train.steps,
         )
@@ -183,7 +183,7 @@ class TieredCheckpointer:
             stores = self.local.stores()
             moved += [str(p) for p in (store.quarantine(step, reason) for store in stores) if p]
         if self.coll.rank == 0:
-            if self.reshardable is not None and self.reshardable.storage.health.healthy:
+            if self.reshardable is not None and self.reshardable.storage.healthy:
                 path = self.reshardable.tier.quarantine(step, reason)
                 if path is not None:
                     moved.append(str(path))
@@ -198,7 +198,7 @@ class TieredCheckpointer:
     def _local_answers(self) -> bool:
         """Whether this rank may touch its tier-1 storage now (enabled, and not stalled: a
         listing or rename there would block in the kernel for as long as it stalls)."""
-        return self.local is not None and self.local.health.healthy
+        return self.local is not None and self.local.storage.healthy
 
     def prepare(self, state: TrainingState | None = None) -> None:
         """Clean what earlier attempts left; with ``state``, refuse a tmpfs too small for tier 0."""
@@ -240,7 +240,7 @@ class TieredCheckpointer:
         this rank's slowest save: the largest over the ranks); tier 0 writes to memory, and has none."""
         deadlines = [0.0]
         if self.local is not None:
-            deadlines.append(self.local.stall_deadline())
+            deadlines.append(self.local.storage.deadline())
         if self.reshardable is not None:
             deadlines.append(self.reshardable.storage.deadline())
         if self.agent is not None:
@@ -274,7 +274,7 @@ class TieredCheckpointer:
         self._staging_note = None
         if self.reshardable is None:
             return None
-        self._staging_note = self.reshardable.storage.agreed_healthy()
+        self._staging_note = self.reshardable.stalled_note()
         if self._staging_note is not None:
             self._unusable.append(self._staging_note)
             if self.coll.rank == 0:
