@@ -58,12 +58,12 @@ from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import DEFAULT_CHUNK_BYTES, LOCAL_HASH, READ_BLOCK, HashSpec, chunk_count, chunk_range
 from tiering.layout import RunLayout
 from tiering.local.posix import primary_store, replica_store
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.peer.restore import PeerRecovery
-from tiering.peer.run_key import RunKey
 from tiering.peer.transport import PIECE, SEND_SLOTS, Transport
-from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.system.fsio import fsync_dir, write_file_durably
 from tiering.system.page_cache import ReadAhead, cached_bytes, evict
+from tiering.trust.run_key import RunKey
 from tiering.verify import VERIFY_THREADS, verify_step
 
 STATE = "state.pt"

@@ -24,12 +24,12 @@ import torch.multiprocessing as mp
 
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.local.posix import primary_store
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.peer.placement import RankIdentity, replica_holders
 from tiering.peer.replication import PeerReplicator
 from tiering.peer.restore import PeerRecovery
-from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.trust.run_key import RunKey
 
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
 

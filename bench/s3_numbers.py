@@ -43,7 +43,7 @@ from bench.pairs import Pair
 from tiering.collective import SingleProcess
 from tiering.digest import DEFAULT_CHUNK_BYTES, PORTABLE_HASH, HashSpec, chunk_count, chunk_range
 from tiering.layout import RunLayout
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.remote.objectstore import RANGE_PIECE_BYTES, S3Store, open_store
 from tiering.remote.tier import RemoteTier
 

@@ -15,7 +15,7 @@ from pretrain.config import load_config
 from pretrain.errors import ConfigError, DataError
 from pretrain.resilience.fast_exit import leave_now, under_launcher
 from pretrain.resilience.standby.client import forward
-from tiering.cli import configure_logging
+from tiering.commands.main import configure_logging
 from tiering.errors import LeaseError, RunKeyError
 
 # Each verb imports what it needs when it runs: torch and Megatron take seconds to import, and

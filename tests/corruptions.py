@@ -13,8 +13,8 @@ from pathlib import Path
 from tiering.collective import SingleProcess
 from tiering.digest import LOCAL_HASH, HashSpec
 from tiering.layout import RunLayout
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.manifest import MANIFEST_NAME
-from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.system.fsio import write_file_durably
 from tiering.verify import committed_marker
 

@@ -21,8 +21,8 @@ from pretrain.resilience.standby.wire import ENV as STANDBY_ENV
 from pretrain.resilience.standby.wire import SHARED_ENV
 from tests.shared_standby import address as shared_standby_address
 from tiering.layout import RunLayout
-from tiering.peer.run_key import RunKey
-from tiering.publish import ReceivedStep
+from tiering.local.publish import ReceivedStep
+from tiering.trust.run_key import RunKey
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

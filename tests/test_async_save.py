@@ -192,7 +192,7 @@ def test_retention_keeps_steps_in_use(tmp_path: Path) -> None:
     """keep=1: the newest committed step stays while the next one is only in flight (a temporary
     directory retention never touches); an upload's pin keeps a step past the policy."""
     from tiering.collective import SingleProcess
-    from tiering.publish import PosixStepPublisher, manifest_for
+    from tiering.local.publish import PosixStepPublisher, manifest_for
 
     tier = PosixTier(tmp_path, "run", keep=1)
     pub = PosixStepPublisher(tier.layout, SingleProcess(), "a1")

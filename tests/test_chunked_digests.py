@@ -30,14 +30,14 @@ from tiering.digest import (
 from tiering.errors import ReplicaRejected, VerificationError
 from tiering.layout import RunLayout
 from tiering.local.posix import primary_store, replica_store
+from tiering.local.publish import publish_received
 from tiering.manifest import MANIFEST_NAME, Manifest
 from tiering.peer.restore import PeerRecovery
-from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport
-from tiering.publish import publish_received
 from tiering.remote.tier import RemoteTier
 from tiering.system.fsio import write_file_durably
 from tiering.system.page_cache import cached_bytes, evict
+from tiering.trust.run_key import RunKey
 from tiering.verify import verify_step
 
 

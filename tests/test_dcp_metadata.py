@@ -20,8 +20,8 @@ from pretrain.checkpointing import dcp_metadata
 from tiering.collective import SingleProcess
 from tiering.errors import VerificationError
 from tiering.local.posix import PosixTier
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.local.restore import select_newest_verified
-from tiering.publish import PosixStepPublisher, manifest_for
 
 
 class _Gadget:

@@ -26,7 +26,7 @@ from tests.helpers import events, overrides_for, tmpfs, torchrun
 from tiering.collective import SingleProcess
 from tiering.errors import DiskFull, PublishError
 from tiering.local.posix import PosixTier
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.system.fsio import write_file_durably
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import PYTHON, TINY, flip_byte, job_env, overrides_for, torchrun, torchrun_prefix
-from tiering.peer.run_key import RunKey
-from tiering.signature import SIGNATURE_NAME, ManifestSigner
+from tiering.trust.run_key import RunKey
+from tiering.trust.signature import SIGNATURE_NAME, ManifestSigner
 
 pytestmark = pytest.mark.slow
 

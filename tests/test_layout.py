@@ -1,7 +1,8 @@
 """The architecture stays readable: docs/layout.md names every module in git and no module that is
 gone, the README's layout lists exactly the tracked top-level folders and the subpackages of
 ``pretrain`` and ``tiering``, no module imports another in a cycle, and ``tiering`` imports nothing
-from ``pretrain``."""
+from ``pretrain``, and the top of ``tiering`` stays the digest and manifest core (at most
+:data:`TIERING_TOP_LEVEL_MAX` modules; everything else in the subpackage of its concern)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import subprocess
 import sys
 
 from tests.helpers import REPO
+
+TIERING_TOP_LEVEL_MAX = 10  # .py files directly in tiering/, __init__.py and __main__.py included
 
 
 def _tracked(*paths: str) -> list[str]:
@@ -117,6 +120,14 @@ def test_tiering_imports_nothing_from_pretrain() -> None:
     for path in (REPO / "tiering").rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) pretrain\b", text, re.M), path
+
+
+def test_tiering_top_level_holds_at_most_ten_modules() -> None:
+    top = sorted(p.name for p in (REPO / "tiering").glob("*.py"))
+    assert len(top) <= TIERING_TOP_LEVEL_MAX, (
+        f"tiering/ has {len(top)} top-level modules (at most {TIERING_TOP_LEVEL_MAX}, __init__.py and "
+        f"__main__.py included): {top}; fix: move a module into the subpackage of its concern"
+    )
 
 
 def test_every_relative_link_in_the_readme_and_docs_resolves() -> None:

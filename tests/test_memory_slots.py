@@ -17,8 +17,8 @@ from pretrain.checkpointing.rank_payload import load_verified_state
 from pretrain.config import load_config, validate
 from pretrain.errors import ConfigError
 from tests.helpers import TINY, flip_byte, tmpfs
-from tiering.cli import main as cli_main
 from tiering.collective import SingleProcess
+from tiering.commands.main import main as cli_main
 from tiering.digest import HashSpec
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.memory.slot_store import SlotStore

@@ -82,7 +82,7 @@ def _squatted(tmp_path: Path) -> None:
 
 def test_the_pretrain_and_tiering_commands_run_under_umask_077(tmp_path: Path) -> None:
     probe = "import os; m = os.umask(0); print(oct(m))"
-    for module in ("pretrain.cli", "tiering.cli"):
+    for module in ("pretrain.cli", "tiering.commands.main"):
         code = f"import {module} as c\ntry: c.main(['--help'])\nexcept SystemExit: pass\n{probe}"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert out.stdout.strip().splitlines()[-1] == "0o77", (module, out.stdout[-200:], out.stderr[-500:])

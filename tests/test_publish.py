@@ -12,7 +12,7 @@ from tiering.collective import SingleProcess
 from tiering.errors import PublishError
 from tiering.layout import RunLayout
 from tiering.local.posix import PosixTier
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.retention import KeepNewest
 from tiering.verify import verify_step
 

@@ -24,8 +24,8 @@ from tests.helpers import (
 )
 from tiering.errors import ReplicaRejected
 from tiering.layout import RunLayout
+from tiering.local.publish import publish_received
 from tiering.peer.placement import PlacementError, RankIdentity, replica_holders
-from tiering.publish import publish_received
 from tiering.verify import verify_step
 
 STATE = "state.pt"

@@ -33,9 +33,9 @@ from tiering.errors import PublishError
 from tiering.layout import RunLayout
 from tiering.local.posix import replica_store
 from tiering.manifest import COMMITTED_NAME
-from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport
 from tiering.remote.tier import RemoteTier
+from tiering.trust.run_key import RunKey
 
 TOPOLOGY = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 

@@ -19,9 +19,9 @@ from tests.test_restore_selection import _cfg, _state, _train_to
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError
 from tiering.local.posix import QUARANTINE_KEEP_S, PosixTier
-from tiering.peer.run_key import RunKey
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.peer.transport import Transport
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.trust.run_key import RunKey
 
 
 class _PeerCommitFails(SingleProcess):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiering.errors import RunKeyError
-from tiering.peer.run_key import ENV_VAR, RunKey, key_file_from_env, load, load_or_create
+from tiering.trust.run_key import ENV_VAR, RunKey, key_file_from_env, load, load_or_create
 
 
 def _create_and_read(path: str, out: str) -> None:

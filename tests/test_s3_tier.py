@@ -29,14 +29,14 @@ from tiering.collective import SingleProcess, TorchCollective
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import LeaseError, ObjectNotFound, ObjectStoreError, TransferInterrupted
 from tiering.layout import RunLayout
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.manifest import MANIFEST_NAME
-from tiering.peer.run_key import ENV_VAR, RunKey
-from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.remote import gc as remote_gc
 from tiering.remote.download import share_of
 from tiering.remote.objectstore import PreconditionFailed, open_store
 from tiering.remote.tier import RemoteTier
-from tiering.signature import ManifestSigner
+from tiering.trust.run_key import ENV_VAR, RunKey
+from tiering.trust.signature import ManifestSigner
 from tiering.verify import committed_marker, verify_step
 
 RUN = "t"

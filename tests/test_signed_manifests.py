@@ -1,4 +1,4 @@
-"""Signed manifests of the reshardable (staging) tier and of S3 (tiering/signature.py).
+"""Signed manifests of the reshardable (staging) tier and of S3 (tiering/trust/signature.py).
 
 A writer of the shared staging volume or of the bucket without the run key plants a newer step
 whose DCP ``.metadata`` is a pickle gadget (an ``os.system`` reduce) with every digest and
@@ -30,13 +30,13 @@ from tiering.digest import LOCAL_HASH, PORTABLE_HASH, HashSpec
 from tiering.errors import AlreadyCommitted, VerificationError
 from tiering.layout import RunLayout
 from tiering.local.posix import PosixTier
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.local.restore import select_newest_verified
-from tiering.peer.run_key import ENV_VAR, RunKey
-from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.remote.objectstore import open_store
 from tiering.remote.tier import RemoteTier
 from tiering.remote.uploader import Uploader
-from tiering.signature import SIGNATURE_NAME, ManifestSigner
+from tiering.trust.run_key import ENV_VAR, RunKey
+from tiering.trust.signature import SIGNATURE_NAME, ManifestSigner
 from tiering.verify import read_manifest
 
 ROGUE = ManifestSigner(RunKey(bytes(reversed(range(32)))))  # a key that is not the run's

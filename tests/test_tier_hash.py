@@ -9,8 +9,8 @@ from pathlib import Path
 from tiering.collective import SingleProcess
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.local.posix import PosixTier
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.local.restore import select_newest_verified
-from tiering.publish import PosixStepPublisher, manifest_for
 
 
 def _publish(tier: PosixTier, step: int, hash_name: str) -> None:

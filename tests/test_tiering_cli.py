@@ -13,7 +13,7 @@ from tests.test_publish import _publish
 from tiering.collective import SingleProcess
 from tiering.digest import HashSpec
 from tiering.layout import RunLayout
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.local.publish import PosixStepPublisher, manifest_for
 
 
 def _tiering(*args: str) -> subprocess.CompletedProcess[str]:

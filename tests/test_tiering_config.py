@@ -13,10 +13,10 @@ from tests.helpers import PYTHON, TINY
 from tiering.collective import SingleProcess
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.layout import RunLayout
-from tiering.peer.run_key import load_or_create
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.remote.tier import RemoteTier
-from tiering.signature import SIGNATURE_NAME, ManifestSigner
+from tiering.trust.run_key import load_or_create
+from tiering.trust.signature import SIGNATURE_NAME, ManifestSigner
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -96,7 +96,7 @@ def test_the_launcher_and_the_publish_protocol_load_no_torch() -> None:
     warnings into its one-line errors and takes seconds longer to start)."""
     probe = (
         "import sys\n"
-        "import pretrain.commands.launch, tiering.publish, tiering.verify, tiering.remote.tier\n"
+        "import pretrain.commands.launch, tiering.local.publish, tiering.verify, tiering.remote.tier\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120)

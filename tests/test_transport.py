@@ -23,11 +23,11 @@ from tests.helpers import TEST_KEY, flip_byte, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.errors import VerificationError
 from tiering.local.posix import primary_store, replica_store
+from tiering.local.publish import PosixStepPublisher, manifest_for, publish_received
 from tiering.manifest import MANIFEST_NAME
 from tiering.peer.replication import PeerReplicator
 from tiering.peer.restore import PeerRecovery
 from tiering.peer.transport import SEND_SLOTS, OutgoingStep, Transport
-from tiering.publish import PosixStepPublisher, manifest_for, publish_received
 from tiering.system.fsio import write_file_durably
 
 CHUNK = SPEC.chunk_bytes

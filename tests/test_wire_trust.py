@@ -21,11 +21,11 @@ import torch.distributed as dist
 from tests.helpers import TEST_KEY, two_gloo_ranks
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.local.posix import primary_store, replica_store
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.peer.replication import PeerReplicator
-from tiering.peer.run_key import TAG_BYTES, RunKey
 from tiering.peer.transport import CHANNEL, NONCE_BYTES, TAG_ACK, TAG_HEAD, TAG_SIZE, OutgoingStep, Transport
-from tiering.publish import PosixStepPublisher, manifest_for
 from tiering.system.fsio import write_file_durably
+from tiering.trust.run_key import TAG_BYTES, RunKey
 
 RUN = "trust"
 CHUNK = 64 * 1024

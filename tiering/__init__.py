@@ -30,8 +30,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "PosixStepPublisher": "tiering.publish",
-    "manifest_for": "tiering.publish",
+    "PosixStepPublisher": "tiering.local.publish",
+    "manifest_for": "tiering.local.publish",
     "PosixTier": "tiering.local.posix",
     "RunLayout": "tiering.layout",
     "KeepNewest": "tiering.retention",

@@ -1,6 +1,6 @@
 import sys
 
-from tiering.cli import main
+from tiering.commands.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

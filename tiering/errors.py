@@ -4,7 +4,7 @@ from a programming error (``TypeError``, ``KeyError``, ``AssertionError``, ...),
 caught and reported as an I/O failure.
 
 * :class:`CheckpointError`: a step cannot be verified, published, restored or leased;
-* :class:`RunKeyError`: the run's secret (:mod:`tiering.peer.run_key`) cannot be used;
+* :class:`RunKeyError`: the run's secret (:mod:`tiering.trust.run_key`) cannot be used;
 * :class:`ObjectStoreError`: the object store is unreachable, refused the caller
   (:class:`AccessDenied`), or lacks an object (:class:`ObjectNotFound`), a condition failed
   (:class:`PreconditionFailed`), or a body broke off (:class:`TransferInterrupted`).

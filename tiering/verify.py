@@ -15,8 +15,8 @@ from tiering.digest import check_file, short_file_reason
 from tiering.errors import VerificationError
 from tiering.layout import parse_step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
-from tiering.signature import SIGNATURE_NAME, ManifestSigner, read_signature
 from tiering.system.fsio import sha256_file
+from tiering.trust.signature import SIGNATURE_NAME, ManifestSigner, read_signature
 
 # Hashing threads per verifying process: the restore is on the critical path, the cores are free.
 VERIFY_THREADS = max(1, os.cpu_count() or 1)
@@ -73,7 +73,7 @@ def verify_step(
     manifest, symlinks, unlisted or missing files, sizes) always cover the whole step.
     ``expect_hash``: the tier's one digest; a file listed with another (a manifest that chose a
     weaker hash for itself) is refused before anything is hashed. ``signer``: the tier's steps
-    are signed (:mod:`tiering.signature`); a missing or forged ``SIGNATURE`` is refused before
+    are signed (:mod:`tiering.trust.signature`); a missing or forged ``SIGNATURE`` is refused before
     anything else is checked.
     """
     step_dir = Path(step_dir)

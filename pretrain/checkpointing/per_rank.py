@@ -46,11 +46,11 @@ from tiering.collective import Collective, SingleProcess
 from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import PublishError, TieringError, UnsafeDirectory
 from tiering.local.posix import primary_store, replica_store
+from tiering.local.publish import PosixStepPublisher
 from tiering.manifest import COMMITTED_NAME
 from tiering.peer.placement import RankIdentity
 from tiering.peer.replication import ReplicationReport
 from tiering.peer.restore import PeerPlanResult, PeerRestore, owner_of
-from tiering.publish import PosixStepPublisher
 from tiering.system.fsio import dir_size, write_file_durably
 from tiering.system.private_dir import private_dir
 

@@ -7,8 +7,8 @@ A step directory holds:
 * ``trainer.pt``: step, consumed samples/tokens, LR scheduler, grad scaler, topology, config,
   code and framework versions, dataset snapshot (rank 0; tensors and plain values only);
 * ``rank-state/rank-NNNNN.pt``: per-rank RNG streams and data cursor;
-* ``manifest.json`` + ``COMMITTED`` from the publish protocol (:mod:`tiering.publish`), and
-  ``SIGNATURE``, the manifest's HMAC under the run key (:mod:`tiering.signature`): checked on every
+* ``manifest.json`` + ``COMMITTED`` from the publish protocol (:mod:`tiering.local.publish`), and
+  ``SIGNATURE``, the manifest's HMAC under the run key (:mod:`tiering.trust.signature`): checked on every
   rank before any byte is hashed or any DCP metadata is read; a step whose signature is missing or
   forged is quarantined and the next older signed step restored.
 
@@ -94,9 +94,9 @@ from tiering.collective import Collective
 from tiering.digest import PORTABLE_HASH, HashSpec
 from tiering.errors import PublishError, VerificationError
 from tiering.local.posix import PosixTier
+from tiering.local.publish import PosixStepPublisher
 from tiering.local.restore import select_newest_verified
-from tiering.publish import PosixStepPublisher
-from tiering.signature import ManifestSigner
+from tiering.trust.signature import ManifestSigner
 from tiering.verify import verify_step
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class ReshardableCheckpoints:
         signer: ManifestSigner | None = None,
     ) -> None:
         """``signer``: the run key's manifest signer; every step saved here gets its ``SIGNATURE``
-        and a step without a good one is never restored (:mod:`tiering.signature`). None only where
+        and a step without a good one is never restored (:mod:`tiering.trust.signature`). None only where
         no tier moves or signs steps (a test of the tier alone)."""
         self.cfg = cfg
         self.phases = phases

@@ -1,4 +1,4 @@
-"""Where the rank program gets its run key (:mod:`tiering.peer.run_key`), the secret every transfer
+"""Where the rank program gets its run key (:mod:`tiering.trust.run_key`), the secret every transfer
 between ranks is tagged with.
 
 Owns the choice of the key file: ``PRETRAIN_RUN_KEY_FILE`` if set, else
@@ -20,7 +20,7 @@ from pretrain.config import IntegrityConfig, RunConfig
 from pretrain.observability.runlog import run_dir
 from tiering.collective import Collective
 from tiering.errors import RunKeyError
-from tiering.peer.run_key import RunKey, key_file_from_env, load, load_or_create
+from tiering.trust.run_key import RunKey, key_file_from_env, load, load_or_create
 
 DEFAULT_NAME = "run.key"
 

@@ -17,8 +17,8 @@ from pretrain.errors import IncompatibleCheckpoint
 from pretrain.optim import TrainOptimizer
 from pretrain.platform.versions import code_version, framework_versions
 from pretrain.rank_state import seed_everything
+from tiering.local.publish import manifest_for
 from tiering.manifest import Manifest
-from tiering.publish import manifest_for
 
 log = logging.getLogger(__name__)
 

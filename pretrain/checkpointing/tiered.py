@@ -33,8 +33,8 @@ from tiering.peer.restore import PeerPlanResult, PeerRestore
 from tiering.peer.transport import Transport
 from tiering.remote.objectstore import ObjectStoreError, open_store  # boto3 itself loads only for s3:// URIs
 from tiering.remote.tier import RemoteTier
-from tiering.signature import ManifestSigner
 from tiering.system.fsio import atomic_write_bytes
+from tiering.trust.signature import ManifestSigner
 
 log = logging.getLogger(__name__)
 

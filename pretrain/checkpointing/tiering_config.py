@@ -1,8 +1,8 @@
 """The checkpoint tiers of a pretrain config as ``tiering`` objects: ``pretrain upload`` and ``pretrain gc``.
 
 ``tiering`` reads no training config (every setting is a flag there); this adapter maps
-``run.id``, ``checkpoint.reshardable`` and ``checkpoint.s3`` onto :func:`tiering.cli.upload` and
-:func:`tiering.cli.gc`, so the uploader and GC run from the same YAML as the trainer. Both use the
+``run.id``, ``checkpoint.reshardable`` and ``checkpoint.s3`` onto :func:`tiering.commands.object_store.upload` and
+:func:`tiering.commands.object_store.gc`, so the uploader and GC run from the same YAML as the trainer. Both use the
 trainer's run key (:mod:`pretrain.checkpointing.run_key_source`: the uploader promotes only steps
 whose ``SIGNATURE`` verifies, GC counts only those) and GC the run's ``suspect-steps.json``.
 """
@@ -15,12 +15,12 @@ from pretrain.checkpointing.run_key_source import key_path
 from pretrain.config import Config, IntegrityConfig, ReshardableTierConfig, RunConfig, S3TierConfig, s3_owner
 from pretrain.errors import ConfigError
 from pretrain.observability.runlog import run_dir
-from tiering import cli as tiering_cli
+from tiering.commands import object_store
 from tiering.digest import PORTABLE_HASH
 from tiering.local.posix import PosixTier
-from tiering.peer.run_key import load_or_create
 from tiering.remote.tier import RemoteTier
-from tiering.signature import ManifestSigner
+from tiering.trust.run_key import load_or_create
+from tiering.trust.signature import ManifestSigner
 
 SUSPECTS_NAME = "suspect-steps.json"  # written by the trainer (TieredCheckpointer.quarantine_everywhere)
 
@@ -75,7 +75,7 @@ def run_upload(
     remote = remote_tier(s3, cfg.run.id, cfg.fault_tolerance.inject.s3_fault, cfg.source)
     signer = manifest_signer(cfg.checkpoint.integrity, cfg.run)
     remote.signer = signer
-    return tiering_cli.upload(
+    return object_store.upload(
         remote,
         staging_tier(cfg.checkpoint.reshardable, cfg.run.id, signer),
         s3_owner(cfg),
@@ -94,11 +94,11 @@ def run_gc(cfg: Config, *, apply: bool = False) -> int:
     # a config error first, before any key file is looked for
     remote = remote_tier(s3, cfg.run.id, cfg.fault_tolerance.inject.s3_fault, cfg.source)
     remote.signer = manifest_signer(cfg.checkpoint.integrity, cfg.run, create=False)  # GC never makes up a key
-    return tiering_cli.gc(
+    return object_store.gc(
         remote,
         s3.keep,
         s3.milestone_every,
         apply=apply,
         min_age_s=s3.gc_min_age_s,
-        suspects=tiering_cli.read_suspects(suspects_path(cfg.run)),
+        suspects=object_store.read_suspects(suspects_path(cfg.run)),
     )

@@ -46,9 +46,9 @@ from tiering.digest import PORTABLE_HASH
 from tiering.errors import RunKeyError, VerificationError
 from tiering.layout import RunLayout
 from tiering.peer.restore import PeerRestore
-from tiering.peer.run_key import load as load_key
 from tiering.remote.tier import RemoteTier
-from tiering.signature import SIGNATURE_NAME, ManifestSigner
+from tiering.trust.run_key import load as load_key
+from tiering.trust.signature import SIGNATURE_NAME, ManifestSigner
 from tiering.verify import verify_step
 
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from tiering.collective import SingleProcess, TorchCollective
 from tiering.local.posix import primary_store
+from tiering.local.publish import PosixStepPublisher, manifest_for
 from tiering.peer.replication import PeerReplicator
-from tiering.peer.run_key import RunKey
 from tiering.peer.transport import Transport
-from tiering.publish import PosixStepPublisher, manifest_for
+from tiering.trust.run_key import RunKey
 
 RUN = "probe"
 

@@ -20,8 +20,8 @@ from tiering.layout import RunLayout, parse_step_name, parse_tmp_name
 from tiering.local.pins import StepPin, held_steps
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.retention import KeepNewest, RetentionPolicy
-from tiering.signature import ManifestSigner
 from tiering.system.fsio import atomic_write_bytes, dir_size, fsync_dir
+from tiering.trust.signature import ManifestSigner
 from tiering.verify import read_manifest, verify_step
 
 log = logging.getLogger(__name__)

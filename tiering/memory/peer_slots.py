@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Protocol
 
 from tiering.errors import PublishError, VerificationError
+from tiering.local.publish import ReceivedStep, check_received
 from tiering.memory.slot_store import SlotStore
 from tiering.memory.slots import SlotState, loadable, next_sequence, slot_to_write
 from tiering.peer.transport import OutgoingStep, Transport
-from tiering.publish import ReceivedStep, check_received
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.local.posix import PosixTier, replica_store
+from tiering.local.publish import publish_received
 from tiering.peer.transport import OutgoingStep, ReceivedStep, Transport
-from tiering.publish import publish_received
 
 log = logging.getLogger(__name__)
 

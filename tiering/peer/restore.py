@@ -21,8 +21,8 @@ from tiering.collective import Collective
 from tiering.errors import PublishError, VerificationError
 from tiering.layout import parse_step_name
 from tiering.local.posix import PosixTier, primary_store, replica_store
+from tiering.local.publish import publish_received
 from tiering.peer.transport import OutgoingStep, Transport
-from tiering.publish import publish_received
 from tiering.verify import read_manifest
 
 log = logging.getLogger(__name__)

@@ -12,13 +12,13 @@ a trailer word from the sender (-1, or the file it could not read as its manifes
   its chunks there against the manifest in the header while writing it into its file (``pwrite``
   into a file whose space was reserved up front, so a full disk fails before any byte arrives),
   and reposts the buffer for a later piece. Nothing is read back or hashed again before the copy is
-  committed; nothing received is published or trusted here (:func:`tiering.publish.publish_received`).
+  committed; nothing received is published or trusted here (:func:`tiering.local.publish.publish_received`).
 
 Every pair of ranks that may talk exchanges header sizes first (0 means "nothing this time"), so a
 rank whose save failed never leaves its peer waiting, and a receiver that cannot write still drains
 what it is sent. Every wait has a timeout: a dead or hung peer costs at most ``timeout_s``.
 
-Nothing a peer sends is trusted before it is checked (:mod:`tiering.peer.run_key` is the contract):
+Nothing a peer sends is trusted before it is checked (:mod:`tiering.trust.run_key` is the contract):
 
 * Every header carries an HMAC-SHA256 tag under the run key's ``"transport"`` channel over the
   destination rank, a fresh nonce and the header bytes; the header holds the owner's manifest, hence every chunk
@@ -62,9 +62,9 @@ import torch.distributed as dist
 
 from tiering.digest import ChunkChecker, ChunkedDigest, ChunkFailure
 from tiering.errors import VerificationError
+from tiering.local.publish import ReceivedStep
 from tiering.manifest import MANIFEST_NAME, Manifest, check_relative_path
-from tiering.peer.run_key import TAG_BYTES, RunKey
-from tiering.publish import ReceivedStep
+from tiering.trust.run_key import TAG_BYTES, RunKey
 from tiering.verify import verify_step
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Verified download of a step from an object store, and restore of the newest one that verifies.
 
 A step is read only once its ``COMMITTED`` object matches its manifest and, for a signed run, its
-``SIGNATURE`` object verifies (:mod:`tiering.signature`), before the manifest is parsed; a manifest
+``SIGNATURE`` object verifies (:mod:`tiering.trust.signature`), before the manifest is parsed; a manifest
 naming a digest other than the run's (``RemoteRun.expect_hash``) is refused before any GET of its
 data. Format v2: every digest
 chunk is one ranged GET, hashed and written at its offset piece by piece as it arrives (several in
@@ -35,11 +35,11 @@ from tiering.digest import bad_chunk_reason, chunk_range, new_hasher
 from tiering.errors import ObjectNotFound, ObjectStoreError, TransferInterrupted, VerificationError
 from tiering.layout import RunLayout
 from tiering.local.posix import PosixTier
+from tiering.local.publish import publish_dir
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
-from tiering.publish import publish_dir
 from tiering.remote.run import RemoteRun
 from tiering.remote.upload import latest_hint
-from tiering.signature import SIGNATURE_NAME
+from tiering.trust.signature import SIGNATURE_NAME
 from tiering.verify import committed_marker, verify_file, verify_step
 
 log = logging.getLogger(__name__)

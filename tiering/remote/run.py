@@ -6,7 +6,7 @@ Keys under ``<prefix>/<run id>/``::
     steps/step-000000123/<file>            immutable objects: chunk digests in our manifest (the hash it
                                            names: BLAKE3 for promoted steps; v1: one SHA-256), the whole
                                            digest tagged with its hash in the object's metadata
-    steps/step-000000123/SIGNATURE         the manifest's HMAC under the run key (:mod:`tiering.signature`)
+    steps/step-000000123/SIGNATURE         the manifest's HMAC under the run key (:mod:`tiering.trust.signature`)
     steps/step-000000123/manifest.json     uploaded after every object's size was checked
     steps/step-000000123/COMMITTED         last, bound to the manifest's SHA-256
     latest.json                            a hint, replaced with If-Match so two writers cannot both win
@@ -26,13 +26,13 @@ from tiering.errors import ObjectStoreError
 from tiering.layout import parse_step_name, step_name
 from tiering.manifest import COMMITTED_NAME
 from tiering.remote.objectstore import ObjectStore
-from tiering.signature import ManifestSigner
+from tiering.trust.signature import ManifestSigner
 
 
 class RemoteRun:
     """The run ``run_id`` under ``prefix`` of ``store``; ``download_concurrency``: parallel GETs of a restore.
 
-    ``signer``: the run's steps are signed (:mod:`tiering.signature`): the upload carries
+    ``signer``: the run's steps are signed (:mod:`tiering.trust.signature`): the upload carries
     ``SIGNATURE`` and refuses a local step without a good one, the download and GC refuse a step
     whose ``SIGNATURE`` is missing or forged. ``expect_hash``: the one digest the run's manifests
     may use (the reshardable tier's, blake3); a manifest naming another is refused before any GET of

@@ -28,7 +28,7 @@ from tiering.remote.objectstore import open_store
 from tiering.remote.run import RemoteRun
 from tiering.remote.store_faults import install_s3_faults
 from tiering.remote.upload import UploadResult
-from tiering.signature import ManifestSigner
+from tiering.trust.signature import ManifestSigner
 
 __all__ = ["RemoteTier"]
 

@@ -27,7 +27,7 @@ from tiering.layout import step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest
 from tiering.remote.objectstore import PreconditionFailed
 from tiering.remote.run import RemoteRun
-from tiering.signature import SIGNATURE_NAME, read_signature
+from tiering.trust.signature import SIGNATURE_NAME, read_signature
 from tiering.verify import committed_marker, read_manifest, verify_step
 
 LATEST_NAME = "latest.json"

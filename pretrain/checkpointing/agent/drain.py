@@ -1,7 +1,7 @@
 """The agent's work on one node: a sealed tier-0 slot becomes a published tier-1 step.
 
 :class:`SlotDrain` owns, for one run on one node, the copy of a rank's sealed slot (tmpfs) into
-that rank's tier-1 store (``checkpoint.local.dir``, the publish protocol of :mod:`tiering.publish`),
+that rank's tier-1 store (``checkpoint.local.dir``, the publish protocol of :mod:`tiering.local.publish`),
 checked against the slot's own chunk digests while it is copied, and the tier-1 retention that
 follows. It is what the agent process runs on its worker thread; it has no socket and no process
 group, so it is tested in one process on real files.
@@ -27,9 +27,9 @@ from tiering.digest import ChunkedDigest, HashSpec
 from tiering.errors import DiskFull, TieringError, VerificationError
 from tiering.layout import parse_tmp_name
 from tiering.local.posix import PosixTier, primary_store
+from tiering.local.publish import PosixStepPublisher
 from tiering.manifest import Manifest
 from tiering.memory.slot_store import STATE_FILE, SlotStore
-from tiering.publish import PosixStepPublisher
 from tiering.retention import KeepNewest
 from tiering.system.fsio import write_file_durably
 from tiering.verify import read_manifest

@@ -26,8 +26,8 @@ from tiering.digest import DEFAULT_HASHING, ChunkedDigest, ChunkFailure, HashSpe
 from tiering.errors import DiskFull, PublishError, ReplicaRejected, VerificationError
 from tiering.layout import RunLayout, step_name
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest, check_relative_path
-from tiering.signature import SIGNATURE_NAME, ManifestSigner
 from tiering.system.fsio import atomic_write_bytes, fsync_dir, fsync_tree
+from tiering.trust.signature import SIGNATURE_NAME, ManifestSigner
 from tiering.verify import committed_marker, verify_file
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class ReceivedStep:
 class PosixStepPublisher:
     """Publishes steps under ``layout``; files nobody hashed while writing are hashed at commit
     as ``hashing`` says (its thread count bounds the CPU taken from the ranks). With ``signer``
-    (the reshardable tier) every step gets its ``SIGNATURE`` (:mod:`tiering.signature`)."""
+    (the reshardable tier) every step gets its ``SIGNATURE`` (:mod:`tiering.trust.signature`)."""
 
     def __init__(
         self,

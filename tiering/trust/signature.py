@@ -1,6 +1,6 @@
 """Signed manifests: a step of the reshardable (staging) tier and of the object store carries
 ``SIGNATURE`` beside ``manifest.json``, an HMAC-SHA256 over the manifest's exact bytes under the
-run key's ``"manifest"`` channel (:mod:`tiering.peer.run_key` is the contract).
+run key's ``"manifest"`` channel (:mod:`tiering.trust.run_key` is the contract).
 
 The manifest holds the run id, the step and every file's size and chunk digests (blake3 in these
 tiers: :data:`tiering.digest.PORTABLE_HASH`, enforced on read), so a signature that verifies
@@ -8,7 +8,7 @@ authenticates every byte of the step once its digests match. A writer of the sha
 or of the bucket without the run key cannot make a step that a reader holding the key accepts: it
 can neither sign a forged manifest nor reuse a signature, which covers one manifest's bytes only.
 
-* Written at publish (:func:`tiering.publish.publish_dir`, before ``COMMITTED`` and the rename),
+* Written at publish (:func:`tiering.local.publish.publish_dir`, before ``COMMITTED`` and the rename),
   uploaded beside the manifest (:mod:`tiering.remote.upload`) and fetched with it
   (:mod:`tiering.remote.download`).
 * Checked by :func:`tiering.verify.read_manifest` before anything else is read or hashed, and so
@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tiering.errors import VerificationError
-from tiering.peer.run_key import RunKey
+from tiering.trust.run_key import RunKey
 
 SIGNATURE_NAME = "SIGNATURE"
 CHANNEL = "manifest"
