@@ -44,6 +44,7 @@ from pretrain.platform.rank_device import select_rank_device
 from pretrain.resilience.attempt_guard import AttemptContext, close_attempt, fail_attempt, open_attempt
 from pretrain.resilience.excluded_nodes import exclude, path_of
 from pretrain.resilience.faults import maybe_inject_fault, maybe_poison_restored, phase_hold
+from pretrain.resilience.hang_watch import AUTO, RankLimit
 from pretrain.resilience.inprocess import run_inprocess
 from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.stragglers import FORWARD, STEP, StragglerWatch, sink_to
@@ -119,8 +120,9 @@ def train(cfg: Config) -> RunSummary:
     phases.mark_signals_until_replaced()
     phases.start_pulse()  # signs of life for the next attempt's diagnosis (a hang, a fatal signal)
     global _AGENT_WATCH  # noqa: PLW0603 - one connection for the process's life, in-process restarts included
-    # the node's agent reads the pulse from outside
-    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, cfg.fault_tolerance.hang_watch_s)
+    # the node's agent reads the pulse from outside (auto: once this rank's limit is measured, see TrainingLoop)
+    fixed = 0.0 if cfg.fault_tolerance.hang_watch_s == AUTO else cfg.fault_tolerance.hang_watch_s
+    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, fixed)
     phases.enter("startup")
     device = select_rank_device()  # before NCCL, in-process restarts included (their Wrapper runs in this thread)
     gloo_lazy_init(os.environ, cuda, cfg.fault_tolerance.inprocess.enabled)
@@ -151,6 +153,27 @@ def train(cfg: Config) -> RunSummary:
         dist.destroy_process_group()
     _release_agent()
     return summary
+
+
+def _auto_hang_limit(cfg: Config, cuda: bool, loaded: Any) -> RankLimit | None:
+    """This rank's side of ``hang_watch_s: auto`` (pretrain.resilience.hang_watch); None where it is
+    off: set otherwise, or a tier-1 writer thread on the training process (a save that holds the
+    GIL would stop the pulse: GPU, or in-process restarts keeping the writer's copy)."""
+    ft = cfg.fault_tolerance
+    if ft.hang_watch_s != AUTO:
+        return None
+    mode = cfg.checkpoint.async_.mode
+    keeps_copy = ft.inprocess.enabled and ft.inprocess.keep_host_copy and not cfg.checkpoint.memory.enabled
+    if mode == "thread" or (mode == "auto" and (cuda or keeps_copy)):
+        log.info("hang watch auto: off (a tier-1 writer thread in the rank); fix: set fault_tolerance.hang_watch_s")
+        return None
+    return RankLimit(ft.calculate_timeouts_after, float(loaded) if loaded else None)
+
+
+def _watch_this_rank(cfg: Config) -> None:
+    """``auto``: this rank's limit is known: make sure the node's agent watches the run."""
+    global _AGENT_WATCH  # noqa: PLW0603 - one connection for the process's life
+    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, AUTO)
 
 
 def _release_agent() -> None:
@@ -264,6 +287,7 @@ class TrainingLoop:
         self.first_step = session.state.step + 1
         self.window = (time.perf_counter(), 0)  # (start time, steps) of the throughput window
         self.step_started = time.perf_counter()
+        self.hang_limit = _auto_hang_limit(self.cfg, torch.cuda.is_available(), session.state.extra.get("hang_watch_s"))
         self.tensorboard = TensorBoardLog(self.cfg.logging.tensorboard_dir, enabled=session.rank == 0)
         dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         valid = session.valid
@@ -287,6 +311,8 @@ class TrainingLoop:
         s, cfg = self.session, self.cfg
         state, monitor = s.state, s.monitor
         self.step_started = time.perf_counter()
+        if self.hang_limit is not None and (limit := self.hang_limit.step_started(self.step_started)) is not None:
+            self._watched(limit)
         monitor.start("step")
         node = s.tiers.local.node if s.tiers.local is not None else None
         maybe_inject_fault(cfg.fault_tolerance.inject, s.rank, step, s.runlog.event, node=node)
@@ -314,6 +340,17 @@ class TrainingLoop:
         self.stragglers.after_step(step)  # a collective every report_interval steps
         self._after(step, first, loss, grad_norm)
         return leave
+
+    def _watched(self, limit: float) -> None:
+        """``hang_watch_s: auto``: this rank's limit is known (measured, or loaded from the checkpoint):
+        its phase record carries it for the node's agent, which watches from now on."""
+        s, ctx = self.session, self.ctx
+        source = "checkpoint" if s.state.extra.get("hang_watch_s") == limit else "measured"
+        s.state.extra["hang_watch_s"] = limit  # saved with every checkpoint from now on
+        if ctx.phases is not None:
+            ctx.phases.keep(hang_watch_s=limit)
+        s.runlog.event("hang_watch", limit_s=limit, source=source)  # a kill of it: hang_killed (the diagnosis reads it)
+        _watch_this_rank(self.cfg)
 
     def _after(self, step: int, first: bool, loss: float, grad_norm: float) -> None:
         s, ctx, cfg = self.session, self.ctx, self.cfg

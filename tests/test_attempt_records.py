@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 from pretrain.config import Config, load_config, resolve_vocab_size
 from pretrain.data.dataset import build_train_dataset
 from pretrain.data.prepare import build_indexed_dataset
+from pretrain.observability.runlog import append_jsonl
 from pretrain.resilience.attempts import AttemptLog, record_failure
 from pretrain.resilience.failures import classify
 from pretrain.resilience.job_policy import failures_without_progress
@@ -262,3 +263,33 @@ def test_a_kill_a_loaded_peer_saw_late_is_not_a_hang(tmp_path: Path, reported: b
     _begin(tmp_path, "a2", restart=1)
     failure = _records(tmp_path)[0]["failure"]
     assert failure["evidence"].startswith("ranks [1] hung:") is not reported, failure
+
+
+@pytest.mark.parametrize("same_process", [True, False])
+def test_a_rank_the_hang_watch_killed_is_named_hung_even_when_its_peer_saw_the_kill(
+    tmp_path: Path, same_process: bool
+) -> None:
+    """The node's hang watch killed rank 1 after 2.2 s without a pulse: its peer then saw the
+    connection drop at once (a report, 1.1 s of pulse gap), which alone reads as a kill. The
+    watch's ``hang_killed`` event naming that process says hung; one naming another process (an
+    earlier attempt's) says nothing."""
+    first = _begin(tmp_path, "a1")
+    first.note(hang_timeout_s=8.0)
+    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
+    for rec in records:
+        rec.attempt = "a1"
+        rec.enter("training")
+    now = time.time()
+    os.utime(records[1].path, (now - 1.1, now - 1.1))
+    os.utime(records[0].path, (now, now))
+    pid = json.loads(records[1].path.read_text())["pid"] + (0 if same_process else 1)
+    append_jsonl(tmp_path / "events.jsonl", {"event": "hang_killed", "rank": 1, "pid": pid, "stale_s": 2.2})
+    record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
+    for rank in (0, 1):
+        PhaseRecord(tmp_path, rank).enter("startup")
+    _begin(tmp_path, "a2", restart=1)
+    failure = _records(tmp_path)[0]["failure"]
+    if same_process:
+        assert failure["ranks"] == [1] and failure["evidence"].startswith("ranks [1] hung: no sign of life for 2.2s")
+    else:
+        assert not failure["evidence"].startswith("ranks [1] hung"), failure

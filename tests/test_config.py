@@ -79,6 +79,7 @@ def test_required_keys_exist_and_override() -> None:
         ("- a\n- b\n", [], "top level must be a mapping"),
         ("", ["train.steps"], "expected KEY=VALUE"),
         ("", ["train.steps=abc"], "train.steps='abc'"),
+        ("", ["fault_tolerance.hang_watch_s=soon"], "hang_watch_s='soon' is not allowed; fix: give a float or auto"),
     ],
 )
 def test_bad_config_names_key_file_and_fix(tmp_path: Path, text: str, overrides: list[str], needle: str) -> None:
@@ -112,6 +113,7 @@ def test_bad_config_names_key_file_and_fix(tmp_path: Path, text: str, overrides:
         (["checkpoint.local.stall_timeout_s=0"], 1, "checkpoint.local.stall_timeout_s"),
         (["checkpoint.reshardable.stall_timeout_s=-1"], 1, "checkpoint.reshardable.stall_timeout_s"),
         (["checkpoint.reshardable.probe_interval_s=0"], 1, "checkpoint.reshardable.probe_interval_s"),
+        (["fault_tolerance.hang_watch_s=1.5"], 1, "fault_tolerance.hang_watch_s"),  # 0, auto or >= 2 s
     ],
 )
 def test_impossible_combinations_fail_validation(overrides: list[str], world: int, key: str) -> None:

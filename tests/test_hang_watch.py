@@ -2,10 +2,12 @@
 
 In one process: the rule at its boundaries (just under and just over the limit, no fresh peer),
 and the watch on real pulse files, real phase records and a real process (killed only when it is
-the process that pulsed and it is training). End to end: a 2-rank job under ft_launcher whose rank
-1 is SIGSTOPped from outside at step 25, before NVRx has measured a step timeout (it would wait
-60 s): the agent kills it, the launcher restarts the group within seconds, the attempt record names
-rank 1 hung, and the run is bit-equal to an uninterrupted one.
+the process that pulsed and it is training), the ``auto`` limit (3 x the p99 step, 2 s floor) and
+each rank's limit read from its record. End to end, on the shipped default (``auto``): a 2-rank
+job under ft_launcher whose rank 1 is SIGSTOPped from outside at step 25: the agent kills it
+within its limit, the launcher restarts the group within seconds, the attempt record names rank 1
+hung, the next attempt's limit comes from the checkpoint, and the run is bit-equal to an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
-from pretrain.resilience.hang_watch import FRESH_S, HangWatch, hung
+from pretrain.resilience.hang_watch import AUTO, FRESH_S, HangWatch, RankLimit, auto_limit, hung
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
 from tests.helpers import FT_CPU, TINY, agents_serving, events, metrics_by_step, overrides_for, read_jsonl, run
 
@@ -48,9 +51,10 @@ def _pulse(folder: Path, rank: int, pid: int, age_s: float) -> None:
     os.utime(path, (t, t))
 
 
-def _phase(run: Path, rank: int, pid: int, phase: str) -> None:
+def _phase(run: Path, rank: int, pid: int, phase: str, **kept: Any) -> None:
     (run / "ranks").mkdir(parents=True, exist_ok=True)
-    (run / "ranks" / f"rank-{rank:05d}.json").write_text(json.dumps({"phase": phase, "pid": pid, "rank": rank}))
+    record = {"phase": phase, "pid": pid, "rank": rank, **kept}
+    (run / "ranks" / f"rank-{rank:05d}.json").write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize(
@@ -82,12 +86,53 @@ def test_the_watch_kills_a_silent_training_rank_and_records_it(
         silent.wait()
 
 
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        ([0.1] * 100, 2.0),  # fast steps: the floor
+        ([0.1] * 99 + [5.0], 2.0),  # one slow step in a hundred is past the p99
+        ([0.1] * 98 + [5.0, 5.0], 15.0),  # two are the p99: 3 x 5 s
+        ([1.5] * 10, 4.5),
+    ],
+)
+def test_the_auto_limit_is_three_times_the_p99_step_with_a_floor(steps: list[float], expected: float) -> None:
+    assert auto_limit(steps) == expected
+
+
+def test_a_rank_knows_its_limit_after_the_measured_steps_or_at_once_from_its_checkpoint() -> None:
+    fresh = RankLimit(measure_after=3)
+    told = [fresh.step_started(t) for t in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5)]
+    assert told == [None, None, None, 2.0, None, None] and fresh.limit == 2.0  # told once
+    restored = RankLimit(measure_after=50, loaded=7.5)
+    assert restored.step_started(0.0) == 7.5 and restored.step_started(1.0) is None
+
+
+@pytest.mark.parametrize(("limit", "killed"), [(2.5, True), (4.0, False), (None, False)])
+def test_auto_holds_each_rank_to_its_records_limit(tmp_path: Path, limit: float | None, killed: bool) -> None:
+    """Rank 1 silent for 3 s: past a 2.5 s limit, within a 4 s one, and never killed while its
+    limit is not known (NVRx's timeouts judge it then)."""
+    run = tmp_path / "runs" / "t"
+    watch = HangWatch(run, threshold_s=AUTO, pulse_root=tmp_path / "pulse")
+    watch.folder.mkdir(parents=True)
+    silent = subprocess.Popen(["sleep", "60"])
+    try:
+        _pulse(watch.folder, 0, os.getpid(), age_s=0.1)
+        _pulse(watch.folder, 1, silent.pid, age_s=3.0)
+        _phase(run, 0, os.getpid(), "training")
+        _phase(run, 1, silent.pid, "training", hang_watch_s=limit)
+        assert watch.scan() == ([1] if killed else [])
+    finally:
+        silent.kill()
+        silent.wait()
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_killed_by_the_agent_and_the_group_restarts_in_seconds(
     tmp_path: Path, corpus: Path, reference_40: Path
 ) -> None:
-    """ft-cpu.yaml as shipped: its step timeout is 60 s until 50 steps are measured, so without
-    the watch this SIGSTOP at step 25 would wait a minute."""
+    """The shipped default (``hang_watch_s: auto``), each rank's limit measured over its first 10
+    steps here. ft-cpu.yaml's step timeout is 60 s until measured and then 20 x the slowest step,
+    so the watch (3 x the p99 step) finds a SIGSTOP at step 25 first."""
     job = tmp_path / "job"
     fault = Fault(restart=0, phase="training", ranks=[1], sig=signal.SIGSTOP, after_step=25)
     killer = PhaseKiller(job / "runs" / "t", [fault])
@@ -96,7 +141,7 @@ def test_a_stopped_rank_is_killed_by_the_agent_and_the_group_restarts_in_seconds
         "train.steps": 40,
         "checkpoint.local.interval": 5,
         "checkpoint.reshardable.interval": 100,
-        "fault_tolerance.hang_watch_s": 2.0,
+        "fault_tolerance.calculate_timeouts_after": 10,
     }
     try:
         cmd = ft_launcher_command(
@@ -114,13 +159,18 @@ def test_a_stopped_rank_is_killed_by_the_agent_and_the_group_restarts_in_seconds
     assert not agents_serving(rundir.resolve()), "the agent exits once the run ended"
     [kill] = [e for e in events(rundir) if e["event"] == "hang_killed"]
     assert kill["rank"] == 1
+    limits = [e for e in events(rundir) if e["event"] == "hang_watch"]
+    assert {e["source"] for e in limits} == {"measured", "checkpoint"}, limits  # restored with the step
+    limit = max(e["limit_s"] for e in limits)
     stopped_at = fault.done["time"]
     rows = read_jsonl(rundir / "metrics.jsonl")
     attempts = sorted({r["attempt"] for r in rows})
     assert len(attempts) == 2, "one restart"
     resumed = min(r["time"] for r in rows if r["attempt"] == attempts[1])
-    print(f"SIGSTOP -> killed {kill['time'] - stopped_at:.1f}s, -> next step {resumed - stopped_at:.1f}s")
-    assert kill["time"] - stopped_at < 2.0 + 2.0, "the watch found the stopped rank within its limit and a scan"
+    print(
+        f"limit {limit}s; SIGSTOP -> killed {kill['time'] - stopped_at:.1f}s, -> next step {resumed - stopped_at:.1f}s"
+    )
+    assert kill["time"] - stopped_at < limit + 2.0, "the watch found the stopped rank within its limit and a scan"
     assert resumed - stopped_at < 15.0, "the group restarted in seconds, not after NVRx's 60 s timeout"
     record = json.loads(sorted((rundir / "attempts").glob("attempt-*.json"))[0].read_text())
     assert record["failure"]["ranks"] == [1] and "hung" in record["failure"]["evidence"], record["failure"]

@@ -4,6 +4,7 @@ and the deliberate faults (``inject``) drills and tests use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pretrain.config.fail import Fail, positive
 from pretrain.resilience.phases import parse_holds
@@ -175,8 +176,10 @@ class FaultToleranceConfig:
     gpu_memory_reclaim_timeout: float = 50.0
     # Seconds a training rank may go without a sign of life while another rank of its node lives
     # before the node's agent kills it (a stopped rank, or one deadlocked with its GIL held), so the
-    # launcher restarts the group in seconds; 0: off, NVRx's section timeouts alone find hangs.
-    hang_watch_s: float = 0.0
+    # launcher restarts the group in seconds. auto: max(3 x the rank's p99 step, 2 s) once
+    # calculate_timeouts_after steps ran, where no checkpoint is written on the training thread
+    # (off with a thread writer: GPU); 0: off, NVRx's section timeouts alone find hangs.
+    hang_watch_s: float | Literal["auto"] = "auto"
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -191,11 +194,12 @@ class FaultToleranceConfig:
         self.inprocess.check(fail.within("inprocess"))
         if self.emergency_save_timeout <= 0:
             fail("emergency_save_timeout", "must be > 0", "give the seconds the grace period allows")
-        if self.hang_watch_s < 0 or 0 < self.hang_watch_s < 2.0:
+        watch = self.hang_watch_s
+        if watch != "auto" and (isinstance(watch, str) or watch < 0 or 0 < watch < 2.0):
             fail(
                 "hang_watch_s",
-                f"must be 0 (off) or >= 2 s, got {self.hang_watch_s}",
-                "use 0 or at least 2 (ten pulses: a busy node must not read as a hang)",
+                f"must be auto, 0 (off) or >= 2 s, got {watch!r}",
+                "use auto, 0 or at least 2 (ten pulses: a busy node must not read as a hang)",
             )
         if self.gpu_memory_reclaim_timeout < 0:
             fail("gpu_memory_reclaim_timeout", "must be >= 0", "give the seconds to wait (0: do not wait)")

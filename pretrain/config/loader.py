@@ -88,7 +88,15 @@ def _coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(args[0], value, key, source)
+        words = next((a for a in args if typing.get_origin(a) is Literal), None)
+        if words is None:
+            return _coerce(args[0], value, key, source)
+        # A number or a word (e.g. float | Literal["auto"]): a string is one of the words.
+        other = next(a for a in args if a is not words)
+        if isinstance(value, str) and value not in typing.get_args(words):
+            choices = ", ".join(map(str, typing.get_args(words)))
+            raise ConfigError(f"{source}: {key}={value!r} is not allowed; fix: give a {other.__name__} or {choices}")
+        return _coerce(words if isinstance(value, str) else other, value, key, source)
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, bool) and {"on", "off"} <= set(choices):

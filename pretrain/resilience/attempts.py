@@ -159,6 +159,26 @@ def _injected_faults(run_dir: Path, attempt_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def _watch_kills(run_dir: Path, pids: dict[int, int]) -> dict[int, float]:
+    """Ranks of ``pids`` (rank -> the pid of this attempt's process) that the node's hang watch
+    killed (``hang_killed`` events naming that process): rank -> the seconds it was silent."""
+    try:
+        lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        if "hang_killed" not in line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("event") == "hang_killed" and pids.get(row.get("rank", -1)) == row.get("pid"):
+            out[int(row["rank"])] = float(row.get("stale_s", 0.0))
+    return out
+
+
 def diagnose(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     """The first failure of an attempt that ended without closing its record, from its evidence."""
     attempt_id = record["id"]
@@ -221,6 +241,9 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
     fatal = {r: f for r in silent if (f := fatal_signal(ranks_dir(run_dir), r, recs.get(r, {}).get("pid")))}
     if fatal:
         return _fatal_failure(fatal, where, reports)
+    watched = _watch_kills(run_dir, {r: rec["pid"] for r, rec in recs.items() if "pid" in rec})
+    if watched:  # the node's hang watch saw these ranks stop while their peers pulsed, and killed them
+        return _silent_failure(sorted(watched), where, record, reports, hung_for=max(watched.values()))
     alive = {r: float(rec["last_alive"]) for r, rec in every.items() if "last_alive" in rec}
     phase = {r: rec.get("phase") for r, rec in every.items()}
     hung = _hung(alive, silent, reports, phase, record.get("hang_timeout_s"))

@@ -12,6 +12,13 @@ says ``training``, is SIGKILLed. The launcher then restarts the group at once, a
 diagnosis names the rank hung by its pulse gap (:func:`pretrain.resilience.attempts.diagnose`);
 ``hang_killed`` in the run's events says who killed it and why.
 
+``auto`` (the default): each rank's own limit, ``max(3 x its p99 step, 2 s)`` over its step
+intervals (saves included), measured once ``calculate_timeouts_after`` steps ran (or loaded from
+the checkpoint it restored), kept in its phase record (``hang_watch_s``); :class:`RankLimit` is the
+rank's side. Until a rank's limit is known the watch leaves it to NVRx's timeouts. A single C call
+that holds the GIL longer than the limit stops the pulse too, so ``auto`` stays off where the
+training thread itself writes a checkpoint (a ``thread`` tier-1 writer: GPU): set seconds there.
+
 Never: kills a rank in start-up or recovery (long native calls there may hold the GIL), when no
 other rank of the node pulses (a paused node, or one rank per node: NVRx's timeouts stay the
 judge), or a process other than the one whose pid the pulse file holds. :func:`hung` is the rule,
@@ -22,12 +29,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import stat
 import threading
 import time
+from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 from pretrain.observability.runlog import append_jsonl
 from pretrain.platform.procfs import STATE, stat_fields
@@ -36,6 +47,12 @@ from pretrain.resilience.phases import PULSE_ROOT, pulse_path, ranks_dir
 log = logging.getLogger(__name__)
 
 FRESH_S = 1.0  # another rank pulsed this recently: the node and its peers are alive
+AUTO = "auto"
+AUTO_FLOOR_S = 2.0  # ten pulses: a busy node must not read as a hang
+AUTO_STEP_FACTOR = 3.0  # x the p99 step: a step may take three times its usual worst
+AUTO_WINDOW = 200  # the step intervals a limit is measured over
+
+HangSetting = float | Literal["auto"]  # fault_tolerance.hang_watch_s
 
 
 def hung(pulses: dict[int, float], now: float, threshold_s: float) -> list[int]:
@@ -46,11 +63,43 @@ def hung(pulses: dict[int, float], now: float, threshold_s: float) -> list[int]:
     return sorted(r for r, t in pulses.items() if now - t > threshold_s)
 
 
+def auto_limit(step_seconds: Sequence[float]) -> float:
+    """``max(3 x the p99 of step_seconds, 2 s)``."""
+    ordered = sorted(step_seconds)
+    p99 = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)] if ordered else 0.0
+    return round(max(AUTO_FLOOR_S, AUTO_STEP_FACTOR * p99), 3)
+
+
+class RankLimit:
+    """A rank's side of ``auto``: the intervals between its steps' starts, and its limit once
+    ``measure_after`` of them were seen (or ``loaded`` from the checkpoint it restored)."""
+
+    def __init__(self, measure_after: int, loaded: float | None = None) -> None:
+        self.measure_after = max(1, measure_after)
+        self.limit = loaded
+        self._intervals: deque[float] = deque(maxlen=AUTO_WINDOW)
+        self._last: float | None = None
+        self._told = False
+
+    def step_started(self, now: float) -> float | None:
+        """At each step's start: the limit the first time it is known, else None."""
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+        if self.limit is None and len(self._intervals) >= self.measure_after:
+            self.limit = auto_limit(self._intervals)
+        if self.limit is None or self._told:
+            return None
+        self._told = True
+        return self.limit
+
+
 class HangWatch:
-    """Reads the pulses of the run at ``run_dir`` on this node; kills the ranks :func:`hung` names."""
+    """Reads the pulses of the run at ``run_dir`` on this node; kills the ranks :func:`hung` names
+    (``threshold_s``: seconds, or ``auto``: each rank's limit from its phase record)."""
 
     def __init__(
-        self, run_dir: Path, threshold_s: float, interval_s: float = 0.25, pulse_root: Path = PULSE_ROOT
+        self, run_dir: Path, threshold_s: HangSetting, interval_s: float = 0.25, pulse_root: Path = PULSE_ROOT
     ) -> None:
         self.run_dir = Path(run_dir)
         self.threshold_s = threshold_s
@@ -70,10 +119,15 @@ class HangWatch:
         pids, pulses = self._pulses()
         now = time.time() if now is None else now
         killed = []
-        for rank in hung(pulses, now, self.threshold_s):
+        auto = self.threshold_s == AUTO
+        for rank in hung(pulses, now, AUTO_FLOOR_S if auto else float(self.threshold_s)):
             pid = pids[rank]
-            if (rank, pid) in self.killed or not _running(pid) or self._phase(rank, pid) != "training":
+            if (rank, pid) in self.killed or not _running(pid):
                 continue
+            record = self._record(rank, pid)
+            limit = record.get("hang_watch_s") if auto else self.threshold_s
+            if record.get("phase") != "training" or limit is None or now - pulses[rank] <= float(limit):
+                continue  # not training, its limit not known yet, or within it
             os.kill(pid, signal.SIGKILL)
             self.killed.append((rank, pid))
             killed.append(rank)
@@ -103,13 +157,13 @@ class HangWatch:
                 pids[rank], times[rank] = pid, mtime
         return pids, times
 
-    def _phase(self, rank: int, pid: int) -> str | None:
-        """The phase the rank's record names, when the record is that process's."""
+    def _record(self, rank: int, pid: int) -> dict[str, Any]:
+        """The rank's phase record, when it is that process's; else empty."""
         try:
             record = json.loads((ranks_dir(self.run_dir) / f"rank-{rank:05d}.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return None
-        return record.get("phase") if record.get("pid") == pid else None
+            return {}
+        return record if isinstance(record, dict) and record.get("pid") == pid else {}
 
 
 def _running(pid: int) -> bool:

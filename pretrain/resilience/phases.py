@@ -124,6 +124,7 @@ class PhaseRecord:
         self.previous: dict[str, Any] | None = None  # the last record of the process before this one
         self._read_previous = False
         self._record: dict[str, Any] = {}
+        self._kept: dict[str, Any] = {}  # details every record of this process carries (see keep)
         self._fatal: IO[str] | None = None
 
     def enter(self, phase: str, **details: Any) -> None:
@@ -140,11 +141,20 @@ class PhaseRecord:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "time": time.time(),
+            **self._kept,
             **details,
             "previous": self.previous,
         }
         self._write()
         self.on_enter(phase)
+
+    def keep(self, **details: Any) -> None:
+        """Details this record carries from now on, in every phase (e.g. ``hang_watch_s``, the
+        limit the node's hang watch holds this rank to); written at once."""
+        self._kept.update(details)
+        if self._record:
+            self._record.update(details)
+            self._write()
 
     def _carry_previous(self) -> None:
         """Once, before this process replaces the record or the pulse file: the next attempt's

@@ -27,6 +27,7 @@ from pretrain.checkpointing.agent.server import AgentSpec
 from pretrain.config import CheckpointConfig, RunConfig
 from pretrain.errors import AgentGone
 from pretrain.observability.runlog import run_dir
+from pretrain.resilience.hang_watch import AUTO, HangSetting
 from pretrain.resilience.standby.wire import receive, require_same_user, send
 from tiering.errors import UnsafeDirectory
 from tiering.system.private_dir import private_dir
@@ -37,7 +38,7 @@ RETRIES = 3  # a reset connection is retried this often, a little later each tim
 START_WAIT_S = 10.0  # an agent imports tiering only: it listens within a fraction of a second
 
 
-def spec_for(run: RunConfig, ck: CheckpointConfig, hang_watch_s: float) -> AgentSpec:
+def spec_for(run: RunConfig, ck: CheckpointConfig, hang_watch_s: HangSetting) -> AgentSpec:
     """The agent of ``run`` on this node (absolute paths: it outlives the rank's cwd);
     ``hang_watch_s``: ``fault_tolerance.hang_watch_s``."""
     return AgentSpec(
@@ -159,12 +160,12 @@ class AgentLink:
         raise AgentGone(f"checkpoint agent did not listen within {START_WAIT_S:.0f}s; see {log_path}")
 
 
-def keep_agent_watching(run: RunConfig, ck: CheckpointConfig, hang_watch_s: float) -> AgentLink | None:
+def keep_agent_watching(run: RunConfig, ck: CheckpointConfig, hang_watch_s: HangSetting) -> AgentLink | None:
     """With ``fault_tolerance.hang_watch_s``: make sure the node's agent runs (it watches every
     rank of the run on the node) and keep a connection open for this process's life, so that the
     agent stays while a rank lives. None when the watch is off; a failure to start it is one
     warning (NVRx's timeouts still find hangs), never a failed rank."""
-    if hang_watch_s <= 0:
+    if hang_watch_s != AUTO and hang_watch_s <= 0:
         return None
     link = AgentLink(spec_for(run, ck, hang_watch_s), ck.agent.timeout_s)
     try:

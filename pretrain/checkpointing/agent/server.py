@@ -18,7 +18,7 @@ the run trained to its end (``finish``) and the last rank disconnected. A second
 for the same address finds it bound and exits at once. A killed agent leaves at most a temporary
 step directory behind, never a published torn step; the next agent removes it.
 
-With ``hang_watch_s`` the agent also watches the run's ranks on its node from outside them
+With ``hang_watch_s`` (seconds, or ``auto``) the agent also watches the run's ranks on its node from outside them
 (:class:`pretrain.resilience.hang_watch.HangWatch`): a rank's held GIL cannot stop that watch.
 
 Never: imports torch or Megatron (it starts in a fraction of a second), reads a slot other than the
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpointing.agent.drain import Persist, SlotDrain
-from pretrain.resilience.hang_watch import HangWatch
+from pretrain.resilience.hang_watch import AUTO, HangSetting, HangWatch
 from pretrain.resilience.standby.wire import receive, require_same_user, send
 from tiering.system.fsio import atomic_write_bytes
 
@@ -70,7 +70,7 @@ class AgentSpec:
     status_dir: str  # the run's records directory: <run dir>/agents/<host>.json
     idle_exit_s: float = 60.0
     hash_threads: int = 2
-    hang_watch_s: float = 0.0  # > 0: watch the run's ranks on this node (status_dir is the run dir)
+    hang_watch_s: HangSetting = 0.0  # > 0 or auto: watch the run's ranks on this node (status_dir is the run dir)
 
     @property
     def name(self) -> str:
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.start()
     threading.Thread(target=agent.report, name="agent-status", daemon=True).start()
     watching = threading.Event()  # set: the hang watch stops
-    if spec.hang_watch_s > 0:
+    if spec.hang_watch_s == AUTO or spec.hang_watch_s > 0:
         watch = HangWatch(Path(spec.status_dir), spec.hang_watch_s)
         threading.Thread(target=watch.run, args=(watching,), name="agent-hang-watch", daemon=True).start()
     log.info("agent: serving run %s (slots %s, tier 1 %s)", spec.run_id, spec.memory_root, spec.local_root)
