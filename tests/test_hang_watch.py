@@ -103,8 +103,13 @@ def test_a_rank_knows_its_limit_after_the_measured_steps_or_at_once_from_its_che
     fresh = RankLimit(measure_after=3)
     told = [fresh.step_started(t) for t in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5)]
     assert told == [None, None, None, 2.0, None, None] and fresh.limit == 2.0  # told once
-    restored = RankLimit(measure_after=50, loaded=7.5)
-    assert restored.step_started(0.0) == 7.5 and restored.step_started(1.0) is None
+    # The machine got busy: 2 s steps. Measured again every 3 steps, over the last intervals.
+    told = [fresh.step_started(t) for t in (4.5, 6.5, 8.5)]
+    assert told == [6.0, None, None] and fresh.limit == 6.0
+    restored = RankLimit(measure_after=2, loaded=7.5)
+    assert [restored.step_started(t) for t in (0.0, 0.1, 0.2)] == [7.5, None, 2.0]  # then its own measure
+    steady = RankLimit(measure_after=2, loaded=2.1)
+    assert [steady.step_started(t) for t in (0.0, 0.1, 0.2, 0.3)] == [2.1, None, None, None]  # within 10 %
 
 
 @pytest.mark.parametrize(("limit", "killed"), [(2.5, True), (4.0, False), (None, False)])

@@ -9,15 +9,16 @@ rank, so a held GIL cannot stop it) and reads the pulses of the run's ranks on i
 ``interval``: a rank whose pulse is older than ``threshold_s`` while another rank of the run on the
 node pulsed within ``FRESH_S``, whose process is still the one that pulsed and whose phase record
 says ``training``, is SIGKILLed. The launcher then restarts the group at once, and the attempt's
-diagnosis names the rank hung by its pulse gap (:func:`pretrain.resilience.attempts.diagnose`);
-``hang_killed`` in the run's events says who killed it and why.
+diagnosis (:func:`pretrain.resilience.attempts.diagnose`) names the rank hung from the
+``hang_killed`` event the watch writes (the rank, its process, how long it was silent).
 
 ``auto`` (the default): each rank's own limit, ``max(3 x its p99 step, 2 s)`` over its step
-intervals (saves included), measured once ``calculate_timeouts_after`` steps ran (or loaded from
-the checkpoint it restored), kept in its phase record (``hang_watch_s``); :class:`RankLimit` is the
-rank's side. Until a rank's limit is known the watch leaves it to NVRx's timeouts. A single C call
-that holds the GIL longer than the limit stops the pulse too, so ``auto`` stays off where the
-training thread itself writes a checkpoint (a ``thread`` tier-1 writer: GPU): set seconds there.
+intervals (saves included), measured once ``calculate_timeouts_after`` steps ran and again every
+as many steps (loaded from the checkpoint it restored until then), kept in its phase record
+(``hang_watch_s``); :class:`RankLimit` is the rank's side. Until a rank's limit is known the
+watch leaves it to NVRx's timeouts. A single C call that holds the GIL longer than the limit
+stops the pulse too, so ``auto`` stays off where the training thread itself writes a checkpoint
+(a ``thread`` tier-1 writer: GPU): set seconds there.
 
 Never: kills a rank in start-up or recovery (long native calls there may hold the GIL), when no
 other rank of the node pulses (a paused node, or one rank per node: NVRx's timeouts stay the
@@ -71,23 +72,32 @@ def auto_limit(step_seconds: Sequence[float]) -> float:
 
 
 class RankLimit:
-    """A rank's side of ``auto``: the intervals between its steps' starts, and its limit once
-    ``measure_after`` of them were seen (or ``loaded`` from the checkpoint it restored)."""
+    """A rank's side of ``auto``: the intervals between its steps' starts (the last
+    ``AUTO_WINDOW``), and its limit: ``loaded`` from the checkpoint it restored, at once; measured
+    once ``measure_after`` intervals were seen, then again every ``measure_after`` steps (a machine
+    that got busier, or quieter), kept when within 10 % of the limit in force."""
 
     def __init__(self, measure_after: int, loaded: float | None = None) -> None:
         self.measure_after = max(1, measure_after)
         self.limit = loaded
         self._intervals: deque[float] = deque(maxlen=AUTO_WINDOW)
         self._last: float | None = None
+        self._steps = 0
+        self._next_measure = 0
         self._told = False
 
     def step_started(self, now: float) -> float | None:
-        """At each step's start: the limit the first time it is known, else None."""
+        """At each step's start: the limit when it is new (first known, or measured anew), else None."""
         if self._last is not None:
             self._intervals.append(now - self._last)
         self._last = now
-        if self.limit is None and len(self._intervals) >= self.measure_after:
-            self.limit = auto_limit(self._intervals)
+        self._steps += 1
+        if len(self._intervals) >= self.measure_after and self._steps >= self._next_measure:
+            self._next_measure = self._steps + self.measure_after
+            fresh = auto_limit(self._intervals)
+            if self.limit is None or abs(fresh - self.limit) > 0.1 * self.limit:
+                self.limit, self._told = fresh, True
+                return fresh
         if self.limit is None or self._told:
             return None
         self._told = True
