@@ -242,11 +242,9 @@ def test_the_pulse_is_node_local_and_the_next_process_carries_it_along(tmp_path:
     assert previous["last_alive"] == last and previous["phase"] == "training"
 
 
-@pytest.mark.parametrize("reported", [True, False])
-def test_a_kill_a_loaded_peer_saw_late_is_not_a_hang(tmp_path: Path, reported: bool) -> None:
-    """At load 20 on 2 cores the survivor of a SIGKILL reported the reset 4.6 s after the killed
-    rank's last pulse, past half the 8 s step timeout: its report, earlier than the monitor could
-    have killed a hung rank, makes it a kill. Without the report the same gap is a hang."""
+def _rank_1_silent_in_training(tmp_path: Path, gap_s: float) -> list[PhaseRecord]:
+    """Attempt a1 of two ranks in training, its step timeout 8 s; rank 1's last pulse ``gap_s``
+    before rank 0's."""
     first = _begin(tmp_path, "a1")
     first.note(hang_timeout_s=8.0)
     records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
@@ -254,14 +252,28 @@ def test_a_kill_a_loaded_peer_saw_late_is_not_a_hang(tmp_path: Path, reported: b
         rec.attempt = "a1"
         rec.enter("training")
     now = time.time()
-    os.utime(records[1].path, (now - 4.6, now - 4.6))
+    os.utime(records[1].path, (now - gap_s, now - gap_s))
     os.utime(records[0].path, (now, now))
-    if reported:
-        record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
+    return records
+
+
+def _next_attempts_diagnosis(tmp_path: Path) -> dict:
+    """The failure attempt a2 (the next processes of both ranks) finds for a1."""
     for rank in (0, 1):
         PhaseRecord(tmp_path, rank).enter("startup")
     _begin(tmp_path, "a2", restart=1)
-    failure = _records(tmp_path)[0]["failure"]
+    return _records(tmp_path)[0]["failure"]
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_a_kill_a_loaded_peer_saw_late_is_not_a_hang(tmp_path: Path, reported: bool) -> None:
+    """At load 20 on 2 cores the survivor of a SIGKILL reported the reset 4.6 s after the killed
+    rank's last pulse, past half the 8 s step timeout: its report, earlier than the monitor could
+    have killed a hung rank, makes it a kill. Without the report the same gap is a hang."""
+    _rank_1_silent_in_training(tmp_path, gap_s=4.6)
+    if reported:
+        record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
+    failure = _next_attempts_diagnosis(tmp_path)
     assert failure["evidence"].startswith("ranks [1] hung:") is not reported, failure
 
 
@@ -273,22 +285,11 @@ def test_a_rank_the_hang_watch_killed_is_named_hung_even_when_its_peer_saw_the_k
     connection drop at once (a report, 1.1 s of pulse gap), which alone reads as a kill. The
     watch's ``hang_killed`` event naming that process says hung; one naming another process (an
     earlier attempt's) says nothing."""
-    first = _begin(tmp_path, "a1")
-    first.note(hang_timeout_s=8.0)
-    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
-    for rec in records:
-        rec.attempt = "a1"
-        rec.enter("training")
-    now = time.time()
-    os.utime(records[1].path, (now - 1.1, now - 1.1))
-    os.utime(records[0].path, (now, now))
+    records = _rank_1_silent_in_training(tmp_path, gap_s=1.1)
     pid = json.loads(records[1].path.read_text())["pid"] + (0 if same_process else 1)
     append_jsonl(tmp_path / "events.jsonl", {"event": "hang_killed", "rank": 1, "pid": pid, "stale_s": 2.2})
     record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
-    for rank in (0, 1):
-        PhaseRecord(tmp_path, rank).enter("startup")
-    _begin(tmp_path, "a2", restart=1)
-    failure = _records(tmp_path)[0]["failure"]
+    failure = _next_attempts_diagnosis(tmp_path)
     if same_process:
         assert failure["ranks"] == [1] and failure["evidence"].startswith("ranks [1] hung: no sign of life for 2.2s")
     else:
