@@ -327,8 +327,11 @@ class AgreedTierHealth:
     def agreed_healthy(self) -> str | None:
         """Collective, non-blocking (a stalled rank's probe runs in the background, see
         :meth:`TierHealth.usable`): None if every rank may touch the tier now; else why not, the
-        same line on every rank, naming the first stalled rank."""
+        same line on every rank, naming the first stalled rank. One flag gathered per question
+        (before every save); the reasons only while some rank is stalled."""
         usable = self.health.usable()
+        if all(self.coll.all_gather(usable)):
+            return None
         reasons = self.coll.all_gather(None if usable else (self.health.reason or STALLED))
         stalled = [(rank, why) for rank, why in enumerate(reasons) if why is not None]
         return f"rank {stalled[0][0]}: {stalled[0][1]}" if stalled else None
