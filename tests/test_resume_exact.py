@@ -107,7 +107,9 @@ def test_sections_a_slow_save_is_not_a_hang_and_a_native_hang_is(tmp_path: Path,
             "fault_tolerance.inject.slow_save_at_step": 20,
             "fault_tolerance.inject.slow_save_seconds": 7,
             "fault_tolerance.inject.hang_rank": 1,
-            "fault_tolerance.inject.hang_at_step": 33,
+            # Six steps after the save of step 30 starts: under the suite's load its writer and
+            # publish took more than the three steps a hang at 33 left (the restore was then step 20).
+            "fault_tolerance.inject.hang_at_step": 36,
             "fault_tolerance.inject.hang_native": "true",
         },
     )
