@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.data import Dataset
@@ -70,6 +71,32 @@ def test_a_silent_rank_is_named_with_the_phase_it_died_in(tmp_path: Path) -> Non
     assert failure["evidence"] == "ranks [1] ended without a report (killed, hung or lost) during load"
 
 
+def _rank_1_silent(
+    tmp_path: Path, gap_s: float, phase: str = "training", hang_timeout: float | None = 8.0
+) -> list[PhaseRecord]:
+    """Attempt a1 of two ranks in ``phase`` (training), its hang timeout ``hang_timeout`` (8 s;
+    None: not recorded); rank 1's last pulse ``gap_s`` before rank 0's."""
+    first = _begin(tmp_path, "a1")
+    if hang_timeout is not None:
+        first.note(hang_timeout_s=hang_timeout)
+    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
+    for rec in records:
+        rec.attempt = "a1"
+        rec.enter(phase)
+    now = time.time()
+    os.utime(records[1].path, (now - gap_s, now - gap_s))
+    os.utime(records[0].path, (now, now))
+    return records
+
+
+def _next_attempts_diagnosis(tmp_path: Path) -> dict[str, Any]:
+    """The failure attempt a2 (the next processes of both ranks) finds for a1."""
+    for rank in (0, 1):
+        PhaseRecord(tmp_path, rank).enter("startup")
+    _begin(tmp_path, "a2", restart=1)
+    return _records(tmp_path)[0]["failure"]
+
+
 @pytest.mark.parametrize(
     ("phase", "gap", "hang_timeout", "hung"),
     [
@@ -97,20 +124,8 @@ def test_a_rank_whose_pulse_stopped_long_before_its_peers_is_named_as_hung(
     collective, pulse on until the launcher's hang timeout stops every rank, none with a report.
     The attempt's record holds the hang timeout in force (``hang_timeout_s``) where the rank
     monitor knew it."""
-    first = _begin(tmp_path, "a1")
-    if hang_timeout is not None:
-        first.note(hang_timeout_s=hang_timeout)
-    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
-    for rec in records:
-        rec.attempt = "a1"
-        rec.enter(phase)
-    now = time.time()
-    os.utime(records[1].path, (now - gap, now - gap))  # rank 1's last pulse: gap s before rank 0's
-    os.utime(records[0].path, (now, now))
-    for rank in (0, 1):
-        PhaseRecord(tmp_path, rank).enter("startup")
-    _begin(tmp_path, "a2", restart=1)
-    failure = _records(tmp_path)[0]["failure"]
+    _rank_1_silent(tmp_path, gap, phase, hang_timeout)
+    failure = _next_attempts_diagnosis(tmp_path)
     assert failure["classification"] == "infrastructure", failure
     if hung:
         assert failure["ranks"] == [1], failure
@@ -242,35 +257,12 @@ def test_the_pulse_is_node_local_and_the_next_process_carries_it_along(tmp_path:
     assert previous["last_alive"] == last and previous["phase"] == "training"
 
 
-def _rank_1_silent_in_training(tmp_path: Path, gap_s: float) -> list[PhaseRecord]:
-    """Attempt a1 of two ranks in training, its step timeout 8 s; rank 1's last pulse ``gap_s``
-    before rank 0's."""
-    first = _begin(tmp_path, "a1")
-    first.note(hang_timeout_s=8.0)
-    records = [PhaseRecord(tmp_path, rank) for rank in (0, 1)]
-    for rec in records:
-        rec.attempt = "a1"
-        rec.enter("training")
-    now = time.time()
-    os.utime(records[1].path, (now - gap_s, now - gap_s))
-    os.utime(records[0].path, (now, now))
-    return records
-
-
-def _next_attempts_diagnosis(tmp_path: Path) -> dict:
-    """The failure attempt a2 (the next processes of both ranks) finds for a1."""
-    for rank in (0, 1):
-        PhaseRecord(tmp_path, rank).enter("startup")
-    _begin(tmp_path, "a2", restart=1)
-    return _records(tmp_path)[0]["failure"]
-
-
 @pytest.mark.parametrize("reported", [True, False])
 def test_a_kill_a_loaded_peer_saw_late_is_not_a_hang(tmp_path: Path, reported: bool) -> None:
     """At load 20 on 2 cores the survivor of a SIGKILL reported the reset 4.6 s after the killed
     rank's last pulse, past half the 8 s step timeout: its report, earlier than the monitor could
     have killed a hung rank, makes it a kill. Without the report the same gap is a hang."""
-    _rank_1_silent_in_training(tmp_path, gap_s=4.6)
+    _rank_1_silent(tmp_path, gap_s=4.6)
     if reported:
         record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
     failure = _next_attempts_diagnosis(tmp_path)
@@ -285,7 +277,7 @@ def test_a_rank_the_hang_watch_killed_is_named_hung_even_when_its_peer_saw_the_k
     connection drop at once (a report, 1.1 s of pulse gap), which alone reads as a kill. The
     watch's ``hang_killed`` event naming that process says hung; one naming another process (an
     earlier attempt's) says nothing."""
-    records = _rank_1_silent_in_training(tmp_path, gap_s=1.1)
+    records = _rank_1_silent(tmp_path, gap_s=1.1)
     pid = json.loads(records[1].path.read_text())["pid"] + (0 if same_process else 1)
     append_jsonl(tmp_path / "events.jsonl", {"event": "hang_killed", "rank": 1, "pid": pid, "stale_s": 2.2})
     record_failure(tmp_path, "a1", 0, classify(RuntimeError("pair.cc:537] Read error: Connection reset by peer")))
