@@ -163,7 +163,8 @@ def _auto_hang_limit(cfg: Config, cuda: bool, loaded: Any) -> RankLimit | None:
     if ft.hang_watch_s != AUTO:
         return None
     mode = cfg.checkpoint.async_.mode
-    keeps_copy = ft.inprocess.enabled and ft.inprocess.keep_host_copy and not cfg.checkpoint.memory.enabled
+    # Tier 0 auto may turn itself off at start, and then tier 1 keeps the in-process copy: count it so.
+    keeps_copy = ft.inprocess.enabled and ft.inprocess.keep_host_copy and cfg.checkpoint.memory.enabled is not True
     if mode == "thread" or (mode == "auto" and (cuda or keeps_copy)):
         log.info("hang watch auto: off (a tier-1 writer thread in the rank); fix: set fault_tolerance.hang_watch_s")
         return None

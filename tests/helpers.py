@@ -52,6 +52,10 @@ def overrides_for(tmp: Path, corpus: Path, **extra: Any) -> list[str]:
         "data.prefix": str(corpus),
         "checkpoint.local.dir": str(tmp / "ckpt"),
         "checkpoint.reshardable.dir": str(tmp / "reshard"),
+        # Tier 0's default (auto) would put every test job's slots in the machine's /dev/shm and
+        # restore from them first: a job test names the tiers it is about. The default itself is
+        # tested in test_memory_tier.py (auto on, and auto off for a tmpfs too small).
+        "checkpoint.memory.enabled": "false",
         **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]

@@ -64,11 +64,11 @@ def test_a_writer_forked_after_the_parent_hashed_hashes_on_threads_of_its_own(tm
 
 
 def test_a_forked_writer_that_never_starts_is_killed_and_its_save_fails_at_once(tmp_path: Path) -> None:
+    t0 = time.perf_counter()  # before the fork: the start timeout counts from it, not from the first poll
     write = BackgroundWrite("fork", {"x": torch.ones(3)}, tmp_path / "state.pt", fault="stuck-at-fork")
     write.start_timeout_s = 0.5
     pid = write.pid
     assert pid is not None
-    t0 = time.perf_counter()
     while (outcome := write.poll()) is None:  # the trainer's non-blocking poll, once a step
         assert time.perf_counter() - t0 < 30
         time.sleep(0.05)

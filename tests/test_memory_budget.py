@@ -205,7 +205,7 @@ def test_the_70b_host_memory_per_node_by_tier() -> None:
 
 @pytest.mark.parametrize(
     ("config", "nodes", "tier0"),
-    [("gpt-8b-h100.yaml", 8, "tier 0 (off)"), ("gpt-70b-h100.yaml", 64, "tier 0 tmpfs: 3 slots")],
+    [("gpt-8b-h100.yaml", 8, "tier 0 tmpfs: 2 slots"), ("gpt-70b-h100.yaml", 64, "tier 0 tmpfs: 3 slots")],
 )
 def test_pretrain_plan_prints_host_memory_per_node_by_tier(config: str, nodes: int, tier0: str) -> None:
     out = subprocess.run(

@@ -62,8 +62,8 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     return base
 
 
-def _memory(root: Path) -> dict[str, Any]:
-    return {"checkpoint.memory.enabled": "true", "checkpoint.memory.dir": str(root)}
+def _memory(root: Path, enabled: str = "true") -> dict[str, Any]:
+    return {"checkpoint.memory.enabled": enabled, "checkpoint.memory.dir": str(root)}
 
 
 def _assert_bit_exact(job: Path, baseline: Path, from_step: int, final: bool = True) -> None:
@@ -90,7 +90,7 @@ def test_sigkill_at_a_random_step_loses_at_most_one_step_and_resumes_bit_exact_f
     killer = PhaseKiller(job / "runs" / "t", [fault])
     killer.start()
     try:
-        ov = overrides_for(job, corpus, **COMMON, **_memory(shm_dir))
+        ov = overrides_for(job, corpus, **COMMON, **_memory(shm_dir, "auto"))  # the default: room, so on
         run(ft_launcher_command(TINY, nproc=2, ft_config=FT_CPU, max_restarts=2, overrides=ov), job, 420, True)
     finally:
         killer.stop()
@@ -172,8 +172,8 @@ def test_a_full_tmpfs_turns_tier0_off_with_one_warning_and_training_and_tier1_go
     _assert_bit_exact(job, baseline, 1)
 
 
-def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_in_one_line(
-    tmp_path: Path, corpus: Path, small_tmpfs: Path
+def test_a_tmpfs_too_small_for_the_slots_is_refused_when_asked_for_and_turned_off_under_auto(
+    tmp_path: Path, corpus: Path, baseline: Path, small_tmpfs: Path
 ) -> None:
     subprocess.run(["dd", "if=/dev/zero", f"of={small_tmpfs / 'filler'}", "bs=1M", "count=30"], check=True)
     job = tmp_path / "refused"
@@ -184,6 +184,18 @@ def test_a_tmpfs_too_small_for_the_slots_is_refused_at_start_in_one_line(
     assert lines, out[-3000:]
     assert "2 slots x (own" in lines[0] and "--shm-size" in lines[0] and "emptyDir" in lines[0]
     assert not (job / "runs" / "t" / "metrics.jsonl").exists(), "no step may run"
+    # The default on the same node: the run trains without tier 0 and says why once, with the sizes.
+    job = tmp_path / "auto"
+    proc = torchrun(job, 2, overrides_for(job, corpus, **COMMON, **_memory(small_tmpfs, "auto")))
+    out = proc.stdout + proc.stderr
+    warned = [line for line in out.splitlines() if "tier 0 off (checkpoint.memory.enabled: auto)" in line]
+    assert len(warned) == 1 and "2 slots x (own" in warned[0] and "fix:" in warned[0], out[-3000:]
+    ev = events(job / "runs" / "t")
+    assert [e["reason"] for e in ev if e["event"] == "tier0_off"] == [warned[0].split("auto): ", 1)[1]]
+    assert not [e for e in ev if e["event"] == "save" and e["tier"] == "memory"]
+    assert [e["step"] for e in ev if e["event"] == "save" and e["tier"] == "local"] == [10, 20, STEPS]
+    assert [p.name for p in small_tmpfs.rglob("*") if p.is_file()] == ["filler"], "tier 0 wrote nothing"
+    _assert_bit_exact(job, baseline, 1)
 
 
 def test_an_in_process_restart_restores_the_newest_step_from_tier0(

@@ -355,35 +355,30 @@ class MemoryTier:
             job.copied.set()  # never leave the optimizer step waiting, even on failure
 
     # -- start-up --------------------------------------------------------------------------------
-    def check_capacity(self, state: TrainingState) -> None:
-        """Collective: refuse to start (ConfigError, one line on every rank) when the tmpfs cannot
-        hold ``slots x (own + peer)`` state for every rank of this node that shares it (peer: the
-        states of the ranks whose copies it holds)."""
-        mem = self.cfg.checkpoint.memory
-        root = Path(mem.dir)
+    def check_capacity(self, state: TrainingState) -> str | None:
+        """Collective: the one line (sizes and fix), the same on every rank, saying why this node
+        cannot hold tier 0 (a tmpfs without room for ``slots x (own + peer)`` state for every rank
+        of the node that shares it, peer: the states of the ranks whose copies it holds; a job
+        memory cgroup without room; no writable directory), or None once the snapshot arenas are
+        reserved. An unsafe directory (not ours, a symlink) raises ConfigError on its rank."""
+        root = Path(self.cfg.checkpoint.memory.dir)
+        row: tuple[Any, ...] | str
+        arenas: dict[torch.dtype, int] = {}
         try:
             private_dir(root / self.cfg.run.id)  # 0700, ours, not a symlink: tier 0 holds the model
-            st = os.statvfs(root)
-            where = (socket.gethostname(), os.stat(root).st_dev)
+            row, arenas = self._capacity_row(state, root)
         except UnsafeDirectory as exc:
             raise ConfigError(f"{self.cfg.source}: checkpoint.memory.dir: {exc}") from exc
         except OSError as exc:
-            raise ConfigError(
+            row = (
                 f"{self.cfg.source}: checkpoint.memory.dir {root}: {exc.strerror or exc}; fix: point it at a "
                 "writable tmpfs (/dev/shm) or set checkpoint.memory.enabled=false"
-            ) from exc
-        payload = rank_payload(state, self.rank)
-        # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
-        own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
-        cuda = torch.cuda.is_available()
-        arenas = dtype_bytes(payload)  # one pinned arena per dtype; the moments to come are fp32
-        arenas[torch.float32] = arenas.get(torch.float32, 0) + missing_moment_bytes(state.optimizer)
-        host = (0, 2 * pinned_bytes(arenas.values())) if cuda else (0, 0)  # tier 0's and tier 1's, as allocated
-        owners = self.peers.owners_held if self.peers is not None else []
-        held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
-        on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's
-        row = (where, own, st.f_bavail * st.f_frsize, held, owners, host, cgroup_free_bytes(), on_shm)
+            )
         rows = self.coll.all_gather(row)
+        failed = next((r for r in rows if isinstance(r, str)), None)
+        if failed is not None:
+            return failed
+        where = rows[self.rank][0]
         sizes = [r[1] for r in rows]
         node = [r for r in rows if r[0] == where]
         needs = [RankNeed(r[1], sum(sizes[p] for p in r[4]), *r[5]) for r in node]
@@ -394,11 +389,28 @@ class MemoryTier:
             cgroup_free_bytes=min(frees) if frees else None,
             shm_reserve_bytes=SHM_RESERVE_PER_RANK * len(node) if node[0][7] else 0,
         )
-        error = node_budget(needs, mem.slots, room).refusal(self.cfg.source, str(root))
+        error = node_budget(needs, self.cfg.checkpoint.memory.slots, room).refusal(self.cfg.source, str(root))
         failed = next((e for e in self.coll.all_gather(error) if e), None)
-        if failed:
-            raise ConfigError(failed)
-        self.reserve_arenas(arenas, pin=cuda)  # once the node was found to hold them
+        if failed is None:
+            self.reserve_arenas(arenas, pin=torch.cuda.is_available())  # once the node was found to hold them
+        return failed
+
+    def _capacity_row(self, state: TrainingState, root: Path) -> tuple[tuple[Any, ...], dict[torch.dtype, int]]:
+        """What this rank needs of its node and what it sees there (statvfs of ``root``), and the
+        snapshot arenas by dtype it will reserve."""
+        st = os.statvfs(root)
+        where = (socket.gethostname(), os.stat(root).st_dev)
+        payload = rank_payload(state, self.rank)
+        # After the first step (GPU optimizers create Adam's moments lazily); host memory a write takes on CUDA.
+        own = tensor_bytes(payload) + PAYLOAD_SLACK_BYTES + missing_moment_bytes(state.optimizer)
+        cuda = torch.cuda.is_available()
+        arenas = dtype_bytes(payload)  # one pinned arena per dtype; the moments to come are fp32
+        arenas[torch.float32] = arenas.get(torch.float32, 0) + missing_moment_bytes(state.optimizer)
+        host = (0, 2 * pinned_bytes(arenas.values())) if cuda else (0, 0)  # tier 0's and tier 1's, as allocated
+        owners = self.peers.owners_held if self.peers is not None else []
+        held = self.store.held_bytes() + (self.peers.held_bytes() if self.peers is not None else 0)
+        on_shm = cuda and Path("/dev/shm").is_dir() and os.stat(root).st_dev == os.stat("/dev/shm").st_dev  # NCCL's
+        return (where, own, st.f_bavail * st.f_frsize, held, owners, host, cgroup_free_bytes(), on_shm), arenas
 
     def reserve_arenas(self, by_dtype: dict[torch.dtype, int], pin: bool) -> None:
         """At start-up, where snapshots are copied first (on GPU; ``host_copy``): allocate the arena

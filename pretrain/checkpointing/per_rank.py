@@ -131,8 +131,8 @@ class PerRankCheckpoints(BackgroundSaves):
         self._buffers = SnapshotBuffers()
         self._publishing: PublishInFlight | None = None
         ipc = cfg.fault_tolerance.inprocess
-        # For in-process restarts; tier 0 (checkpoint.memory) is that host copy when enabled.
-        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and not cfg.checkpoint.memory.enabled
+        # For in-process restarts; tier 0 (checkpoint.memory) is that host copy when on (see without_tier0).
+        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy and cfg.checkpoint.memory.enabled is False
         self.node = placement.node
         self.identities = placement.identities
         self.holders = placement.holders
@@ -142,6 +142,12 @@ class PerRankCheckpoints(BackgroundSaves):
         # Every rank probes its own: each owns its writer (tier_health's one rule for every tier).
         health = TierHealth(Path(local.dir) / ".health" / f"probe-{self.rank:05d}", local.probe_interval_s)
         self.storage = AgreedTierHealth(health, self.coll, local.stall_timeout_s, self._report_stall)
+
+    def without_tier0(self) -> None:
+        """Tier 0 turned itself off at start (``checkpoint.memory.enabled: auto`` without room): an
+        in-process restart's host copy is this tier's again."""
+        ipc = self.cfg.fault_tolerance.inprocess
+        self._keep_host_copy = ipc.enabled and ipc.keep_host_copy
 
     def stores(self) -> list[Any]:
         """The tier 1-2 stores on this rank: its own steps and the replicas it holds for peers."""

@@ -24,7 +24,7 @@ from pretrain.checkpointing.state import RestoreResult, TrainingState
 from pretrain.checkpointing.tier import CheckpointTier
 from pretrain.checkpointing.tiering_config import suspects_path
 from pretrain.config import CheckpointConfig, Config, s3_owner
-from pretrain.errors import FreshStartRefused
+from pretrain.errors import ConfigError, FreshStartRefused
 from pretrain.resilience.phases import PhaseRecord
 from tiering.collective import Collective, TorchCollective
 from tiering.digest import PORTABLE_HASH
@@ -61,7 +61,9 @@ class TieredCheckpointer:
         self.reshardable: ReshardableCheckpoints | None = None
         self._staging: ReshardableCheckpoints | None = None  # the reshardable tier, if it answers (per restore)
         self._staging_note: str | None = None  # why the restore left the reshardable tier alone
-        self.memory = MemoryTier(cfg, coll, attempt, topology) if cfg.checkpoint.memory.enabled else None
+        self._record_event = record_event
+        wanted = cfg.checkpoint.memory.enabled is not False  # true, or auto (decided in prepare)
+        self.memory = MemoryTier(cfg, coll, attempt, topology) if wanted else None
         self._memory_rejected: list[tuple[int, str]] = []
         self.attempt = attempt
         # The run key tags every transfer between ranks and signs every staging/S3 manifest.
@@ -201,12 +203,29 @@ class TieredCheckpointer:
         return self.local is not None and self.local.storage.healthy
 
     def prepare(self, state: TrainingState | None = None) -> None:
-        """Clean what earlier attempts left; with ``state``, refuse a tmpfs too small for tier 0."""
+        """Clean what earlier attempts left; with ``state``, check the node holds tier 0: if not,
+        refuse to start (``checkpoint.memory.enabled: true``) or go on without it (``auto``)."""
         if self.memory is not None and state is not None:
-            self.memory.check_capacity(state)
+            refusal = self.memory.check_capacity(state)
+            if refusal is not None:
+                self._without_tier0(refusal)
         for tier in (self.local, self.reshardable):
             if tier is not None:
                 tier.prepare()
+
+    def _without_tier0(self, refusal: str) -> None:
+        """Every rank got the same ``refusal``: with ``auto`` this run goes on without tier 0 (and
+        without the agent, which persists tier 0's slots), saying why once; else it cannot start."""
+        if self.cfg.checkpoint.memory.enabled is True:
+            raise ConfigError(refusal)
+        if self.coll.rank == 0:
+            log.warning("tier 0 off (checkpoint.memory.enabled: auto): %s", refusal)
+        if self._record_event is not None:
+            self._record_event("tier0_off", reason=refusal)
+        self.memory = None
+        self.agent = None
+        if self.local is not None:
+            self.local.without_tier0()
 
     def due(self, step: int) -> list[CheckpointTier]:
         final = step == self.cfg.train.steps

@@ -186,7 +186,10 @@ class MemoryTierConfig:
     killed at any step loses at most ``interval`` steps and restores without reading a disk.
     It survives the rank process and an ft_launcher restart, not the node (docs/memory-tier.md)."""
 
-    enabled: bool = False  # tier 0 on (opt-in: it needs slots x state size of tmpfs per rank)
+    # auto: on when the node's tmpfs (and the job's memory cgroup) holds slots x (own + peer) state
+    # for every rank of the node, else off with one line naming the sizes; true: refuse to start
+    # without that room; false: off.
+    enabled: bool | Literal["auto"] = "auto"
     interval: int = 1  # steps between tier-0 snapshots (1: every step, at most one step lost)
     dir: str = "/dev/shm/resilient-pretrain"  # a tmpfs: Docker --shm-size, Kubernetes emptyDir medium: Memory
     slots: int = 2  # the newest sealed slot is never the one being written
@@ -239,9 +242,9 @@ class CheckpointConfig:
         self.memory.check(fail.within("memory"))
         self.agent.check(fail.within("agent"))
         if self.agent.enabled and self.local.enabled:
-            if not self.memory.enabled:
+            if self.memory.enabled is False:
                 fail("agent.enabled", "the agent persists tier 0's snapshots, but tier 0 is off",
-                     "set checkpoint.memory.enabled=true or checkpoint.agent.enabled=false")  # fmt: skip
+                     "set checkpoint.memory.enabled=auto or checkpoint.agent.enabled=false")  # fmt: skip
             elif self.local.interval % self.memory.interval:
                 fail("agent.enabled", f"tier 1's interval {self.local.interval} is not a multiple of tier 0's "
                      f"{self.memory.interval}: the agent persists steps tier 0 holds",
