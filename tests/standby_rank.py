@@ -11,6 +11,7 @@ the kernel), ``stuck-thread PATH`` (a daemon thread writes PATH; print the pid, 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -32,6 +33,8 @@ def _report(code: str) -> int:
         "cwd": os.getcwd(),
         "marker": os.environ.get("STANDBY_TEST_MARKER"),
         "agent": os.environ.get(AGENT_ENV),
+        "dynamo_loaded": "torch._dynamo" in sys.modules,  # what a rank's first optimizer imports
+        "frozen_objects": gc.get_freeze_count(),  # the server's preloaded objects, out of the collector's way
     }
     print(json.dumps(seen), flush=True)
     return int(code)
