@@ -97,6 +97,10 @@ class Drill:
             "checkpoint.reshardable.interval": 100,
             "checkpoint.reshardable.keep": 2,
             "checkpoint.replication.allow_same_domain": "true",
+            # Checks 2-5 are of the disk tiers (what a restart finds there, and what it rejects):
+            # tier 0, on by default where the tmpfs holds it, would restore the newest step from
+            # memory first. Check 6 turns it on.
+            "checkpoint.memory.enabled": "false",
             "schedule.decay_steps": TOTAL,  # one LR schedule for every phase, as in one long run
             "metrics.enabled": "false",
             **extra,
