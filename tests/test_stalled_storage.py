@@ -284,10 +284,11 @@ def _wait_blocked(proc: subprocess.Popen[str], for_s: float, within_s: float) ->
 def _run_stuck_writer(tmp: Path, mount: GatedMount, mode: str) -> tuple[subprocess.Popen[str], int]:
     """Start tests/stuck_writer.py (it closes the gate); returns it once it reported the stall."""
     cmd = [sys.executable, "-m", "tests.stuck_writer", str(tmp / mode), str(mount.mountpoint), mode, str(mount.gate)]
+    cmd.append(str(mount.log))
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    while line and not line.startswith(("stalled", "never", "published")):
+    while line and not line.startswith(("stalled", "never", "published")):  # never stalled, never held
         line = proc.stdout.readline()  # warnings and log lines before the verdict
     assert line.startswith("stalled"), line
     return proc, int(line.split()[1])
