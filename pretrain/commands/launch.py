@@ -62,6 +62,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from pretrain.commands.ft_command import MONITOR_INTERVAL_S
 from pretrain.commands.node_domain import ApiServer
 from pretrain.commands.node_taint import keep_off
 from pretrain.config import check_room_to_exclude, check_world_size, load_config
@@ -317,7 +318,7 @@ def ft_launcher_argv(
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={rendezvous_conf(plan)}",
         f"--max-restarts={max_restarts}",
-        "--monitor-interval=1",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
         f"--workers-stop-timeout={workers_stop_timeout}",
         "--ft-enable-nic-monitor=false",
         f"--ft-cfg-path={ft_config}",

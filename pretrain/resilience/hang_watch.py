@@ -52,6 +52,9 @@ AUTO = "auto"
 AUTO_FLOOR_S = 2.0  # ten pulses: a busy node must not read as a hang
 AUTO_STEP_FACTOR = 3.0  # x the p99 step: a step may take three times its usual worst
 AUTO_WINDOW = 200  # the step intervals a limit is measured over
+# Between two looks at the pulses: half of it, on average, is added to a hang's detection. A look
+# is a listing and two small reads per rank of the node (~0.1 ms each).
+SCAN_S = 0.1
 
 HangSetting = float | Literal["auto"]  # fault_tolerance.hang_watch_s
 
@@ -109,7 +112,7 @@ class HangWatch:
     (``threshold_s``: seconds, or ``auto``: each rank's limit from its phase record)."""
 
     def __init__(
-        self, run_dir: Path, threshold_s: HangSetting, interval_s: float = 0.25, pulse_root: Path = PULSE_ROOT
+        self, run_dir: Path, threshold_s: HangSetting, interval_s: float = SCAN_S, pulse_root: Path = PULSE_ROOT
     ) -> None:
         self.run_dir = Path(run_dir)
         self.threshold_s = threshold_s
