@@ -23,7 +23,8 @@ from tiering.errors import PublishError
 
 
 def main() -> int:
-    tmp, mount, mode, gate, daemon_log = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
+    tmp, mount, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    gate, daemon_log = Path(sys.argv[4]), Path(sys.argv[5])
     cfg = _cfg(
         tmp,
         f"checkpoint.local.dir={mount}",
