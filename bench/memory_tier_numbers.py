@@ -1,11 +1,12 @@
 """Tier 0 against raw baselines of the same bytes on the same tmpfs, alternating (:mod:`bench.pairs`).
 
 * restore: the tier-0 restore of one rank's slot (verify every chunk on all cores against the slot's
-  header, then ``torch.load(mmap=True)`` of the verified file) / a raw read of the same file on as
-  many threads in the verifier's 4 MiB blocks (the bytes in memory, nothing checked): target <= 1.5x;
-* snapshot: the tier-0 write of one state (invalidate, serialise straight into the slot file in
-  place, hash the file by chunks, seal) / a raw in-place write of the same serialised bytes into a
-  tmpfs file (no header, no hash): reported (what a snapshot costs the writer thread);
+  header, then the verified file mapped: :func:`pretrain.checkpointing.raw_payload.read`) / a raw
+  read of the same file on as many threads in the verifier's 4 MiB blocks (the bytes in memory,
+  nothing checked): target <= 1.5x;
+* snapshot: the tier-0 write of one state (invalidate, write it in the raw layout straight into the
+  slot file in place, hash the file by chunks, seal) / a raw in-place write of the same serialised
+  bytes into a tmpfs file (no header, no hash): reported (what a snapshot costs the writer thread);
 * peak memory: in a fresh process holding one state, ``slots + 1`` snapshots (every slot written,
   then the oldest rewritten); then, as a restarted rank, the state restored from the newest slot
   (mapped, then updated in place as the optimizer does) and ``slots`` more snapshots of it: the most
@@ -37,7 +38,7 @@ import torch
 
 from bench.io_numbers import make_state
 from bench.pairs import alternate
-from pretrain.checkpointing.async_writer import save_state
+from pretrain.checkpointing import raw_payload
 from pretrain.checkpointing.rank_payload import load_verified_state
 from tiering.digest import READ_BLOCK, HashSpec
 from tiering.manifest import Manifest
@@ -83,7 +84,7 @@ def _restore(store: SlotStore) -> float:
 def _snapshot(store: SlotStore, state: dict[str, Any], step: int, index: int = 1, fresh_inode: bool = False) -> float:
     """One tier-0 snapshot of ``state`` into slot ``index``: write in place (or on a new inode), hash, seal."""
     t0 = time.perf_counter()
-    store.write_payload(index, lambda fh: save_state(state, fh), fresh_inode=fresh_inode)
+    store.write_payload(index, lambda fh: raw_payload.write(state, fh), fresh_inode=fresh_inode)
     manifest = Manifest("bench", step, 1, {"tp": 1, "pp": 1, "dp": 1}, [])
     store.seal(index, manifest, store.digest(index, HASHING), step + 10)
     return time.perf_counter() - t0
@@ -180,7 +181,7 @@ def measure(mb: int, repeats: int, root: Path) -> dict[str, Any]:
     _snapshot(store, state, 0)
     os.replace(store.slot_dir(1), store.slot_dir(0))  # slot 0: the sealed slot the restore reads
     buf = io.BytesIO()
-    save_state(state, buf)
+    raw_payload.write(state, buf)
     data = buf.getvalue()
     raw_path = root / "raw.pt"
     restore = alternate(lambda _: _restore(store), lambda _: _raw_read(store.state_path(0), VERIFY_THREADS), repeats)

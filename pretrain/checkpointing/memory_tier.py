@@ -1,15 +1,15 @@
 """Tier 0 (``checkpoint.memory``): each rank's newest state in memory-backed slot files.
 
-Owns the tier-0 schedule (every ``interval`` steps), the background write of each snapshot
-straight into the free slot (on CPU serialising the live tensors into the tmpfs file *is* the
-snapshot: no host copy is made first; on GPU the writer first copies them on a side stream, after
-an event recorded at the save, into one pinned arena per dtype, and the optimizer step waits for
-that copy only), the seal once the chunk digests are complete, the start-up memory
-check, turning the tier off when the tmpfs fills, and the tier-0 restore (agree on the newest step
-every rank can obtain from its own slots or from the peer copy its tier-2 peer holds, verify its
-chunks, fetch the peer copies needed, map it). The slot files survive the rank process and an
-ft_launcher restart; the peer copies (:mod:`tiering.memory.peer_slots`, offered to the stream once every
-rank sealed a slot) survive the node.
+Owns the tier-0 schedule (every ``interval`` steps), the background write of each snapshot straight
+into the free slot in the raw layout of :mod:`pretrain.checkpointing.raw_payload` (on CPU writing
+the live tensors' bytes into the tmpfs file *is* the snapshot: no host copy is made first; on GPU
+the writer first copies them on a side stream, after an event recorded at the save, into one pinned
+arena per dtype, and the optimizer step waits for that copy only), the seal once the chunk digests
+are complete, the start-up memory check, turning the tier off when the tmpfs fills, and the tier-0
+restore (agree on the newest step every rank can obtain from its own slots or from the peer copy its
+tier-2 peer holds, verify its chunks, fetch the peer copies needed, map it). The slot files survive
+the rank process and an ft_launcher restart; the peer copies (:mod:`tiering.memory.peer_slots`,
+offered to the stream once every rank sealed a slot) survive the node.
 
 Never: writes a disk, decides slot rotation itself (:mod:`tiering.memory.slots`), touches slot files other
 than through :class:`tiering.memory.slot_store.SlotStore`, or orders restores across tiers
@@ -32,15 +32,14 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpointing import raw_payload
 from pretrain.checkpointing.async_writer import (
     SnapshotBuffers,
     WriterThread,
     copy_tensors,
     record_produced,
-    save_state,
     snapshot_device,
-    stage_on_training_thread,
-    tensor_devices,
+    stage_with_devices,
 )
 from pretrain.checkpointing.memory_budget import (
     SHM_RESERVE_PER_RANK,
@@ -68,8 +67,9 @@ from tiering.verify import VERIFY_THREADS, read_manifest
 
 log = logging.getLogger(__name__)
 
-# Pickle framing and the non-tensor values of a payload, beyond its tensors' bytes (measured on
-# the tiny config: ~40 KB; this leaves room for a tokenizer identity and the trainer's records).
+# A slot's header (the non-tensor values, pickled) and the tensors' alignment, beyond their bytes
+# (the tiny config: ~20 KB; this leaves room for a tokenizer identity, the trainer's records and
+# 64 bytes of alignment for each of tens of thousands of tensors).
 PAYLOAD_SLACK_BYTES = 4 * 1024 * 1024
 
 # One writer thread per process for every tier-0 write: a write abandoned by an in-process restart
@@ -194,8 +194,8 @@ class MemoryTier:
             self._sequence = next_sequence(views)
         job = _SlotWrite(step, self._claim_slot(views), self._sequence, t0)
         self._sequence += 1
-        staged = stage_on_training_thread(payload)
-        job.device = snapshot_device(tensor_devices(staged))
+        staged, devices = stage_with_devices(payload)
+        job.device = snapshot_device(devices)
         job.host_copy = job.device is not None if self._host_copy is None else self._host_copy
         produced = record_produced(job.device)  # after the kernels that made this state (CUDA only)
         fresh = job.slot in self._mapped
@@ -343,7 +343,7 @@ class MemoryTier:
                 box.clear()
                 if job.host_copy:
                     job.copied.set()
-            job.nbytes = self.store.write_payload(job.slot, lambda fh: save_state(staged, fh), fresh_inode)
+            job.nbytes = self.store.write_payload(job.slot, lambda fh: raw_payload.write(staged, fh), fresh_inode)
             digest = self.store.digest(job.slot, self.hashing)
             self.store.seal(job.slot, manifest, digest, job.sequence)
         except OSError as exc:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from pretrain.checkpointing import dp_slices
+from pretrain.checkpointing import dp_slices, raw_payload
 from pretrain.checkpointing.state import TrainingState, apply_trainer_state, trainer_state
 from pretrain.rank_state import rank_state, restore_rng
 
@@ -61,9 +61,11 @@ def owned_tensors(value: Any) -> Any:
 
 def load_verified_state(path: Path) -> dict[str, Any]:
     """Load a ``state.pt`` whose every chunk was just verified (the restore's one read of the
-    disk): mapped, not read again (``mmap=True``), so the load costs no second pass over the bytes
-    and no second copy in memory; tensors are paged in from the verified pages as they are used."""
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    disk): mapped, not read again, so the load costs no second pass over the bytes and no second
+    copy in memory; tensors are paged in from the verified pages as they are used. Tier 0 writes
+    the raw layout (:mod:`pretrain.checkpointing.raw_payload`, and tier 1 holds it where the agent
+    persisted a slot); tier 1's own writers ``torch.save``: the file says which."""
+    return raw_payload.read(path)
 
 
 def rank_payload(state: TrainingState, rank: int) -> dict[str, Any]:

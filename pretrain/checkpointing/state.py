@@ -55,6 +55,10 @@ class TrainingState:
     consumed_samples: int = 0
     consumed_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # The config as every save records it, built at the first save: a run's config does not change,
+    # and building it (dataclasses.asdict of ~150 values) was a third of the training thread's part
+    # of a tier-0 snapshot, taken every step. Savers only read it (staging copies its containers).
+    saved_config: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -93,7 +97,7 @@ def trainer_state(state: TrainingState) -> dict[str, Any]:
         "scheduler": state.scheduler.state_dict(),
         "grad_scaler": None,  # fp32/bf16 training uses no loss scaling
         "topology": dict(state.topology),
-        "config": _config_with_vocab(state.cfg),
+        "config": _saved_config(state),
         "code_version": code_version(),
         "dataset_snapshot": state.dataset_snapshot,
         "tokenizer": _tokenizer_identity(state.cfg.data.tokenizer, state.cfg.data.tokenizer_path),
@@ -121,6 +125,12 @@ def apply_trainer_state(state: TrainingState, trainer: dict[str, Any], path: Pat
 
 # Hashed once per process: every save records it, and a save must not re-read the tokenizer file.
 _tokenizer_identity = functools.lru_cache(maxsize=8)(tokenizer_identity)
+
+
+def _saved_config(state: TrainingState) -> dict[str, Any]:
+    if state.saved_config is None:
+        state.saved_config = _config_with_vocab(state.cfg)
+    return state.saved_config
 
 
 def _config_with_vocab(cfg: Config) -> dict[str, Any]:
