@@ -17,7 +17,8 @@ import torch
 
 from pretrain.checkpointing import raw_payload
 from pretrain.checkpointing.async_writer import save_state
-from tiering.memory.slot_store import _PayloadFile
+from tiering.digest import HashSpec, hash_file
+from tiering.memory.slot_store import SlotStore, _PayloadFile
 
 
 def _payload() -> dict[str, Any]:
@@ -128,3 +129,15 @@ def test_the_header_is_never_unpickled_freely(tmp_path: Path) -> None:
     path.write_bytes(raw_payload.MAGIC + len(body).to_bytes(8, "little") + body)
     with pytest.raises(Exception, match="(?i)weights_only|unpickl"):
         raw_payload.read(path)
+
+
+def test_a_slot_hashed_while_written_has_the_digest_of_its_bytes(tmp_path: Path) -> None:
+    """Tier 0 hashes the slot as it writes it (large tensors in place, on the lanes): the seal's
+    digest is the file's, chunk for chunk, even for a tensor that is a temporary copy."""
+    store = SlotStore(tmp_path, "run", 0, 2)
+    big = torch.randn(3 * 1024 * 1024 // 4 + 7)  # past a chunk boundary, hashed in place
+    payload = {"big": big, "t": torch.randn(700, 600).t(), "rest": _payload()}  # .t(): copied to write it
+    spec = HashSpec("xxh3-128", 1024 * 1024, 2)
+    digest = store.write_hashed(0, lambda fh: raw_payload.write(payload, fh), fresh_inode=False, hashing=spec)
+    assert digest == hash_file(store.state_path(0), spec)
+    _same(payload, raw_payload.read(store.state_path(0)))

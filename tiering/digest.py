@@ -268,6 +268,11 @@ class ChunkHashingSink:
         self._size += written
         return written
 
+    def flush(self) -> None:
+        """Wait until every byte written so far is hashed: a large buffer is hashed in place, after
+        ``write`` returned, so its owner may free or change it only once this returns."""
+        self._lanes.drain(range(self._lanes.n))
+
     def finish(self) -> ChunkedDigest:
         """Wait for the hashers; the chunked digest of everything written."""
         self._lanes.drain(range(self._lanes.n))

@@ -343,8 +343,10 @@ class MemoryTier:
                 box.clear()
                 if job.host_copy:
                     job.copied.set()
-            job.nbytes = self.store.write_payload(job.slot, lambda fh: raw_payload.write(staged, fh), fresh_inode)
-            digest = self.store.digest(job.slot, self.hashing)
+            # Hashed while written (hashing.threads lanes beside this thread): no second pass.
+            write = lambda fh: raw_payload.write(staged, fh)  # noqa: E731 - a one-line writer
+            digest = self.store.write_hashed(job.slot, write, fresh_inode, self.hashing)
+            job.nbytes = digest.size
             self.store.seal(job.slot, manifest, digest, job.sequence)
         except OSError as exc:
             job.error = f"{exc.filename or self.store.slot_dir(job.slot)}: {exc.strerror or exc}"

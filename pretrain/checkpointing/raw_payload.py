@@ -95,6 +95,7 @@ def write(payload: dict[str, Any], fh: IO[bytes]) -> int:
         if nbytes:
             written += fh.write(_bytes_of(tensor))
         written += fh.write(_ZEROS[: _aligned(at + nbytes) - at - nbytes])
+    fh.flush()  # a sink that hashes large buffers in place is done with them (the copies above die here)
     return written
 
 

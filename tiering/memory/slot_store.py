@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from tiering.digest import ChunkedDigest, HashSpec, hash_file
+from tiering.digest import ChunkedDigest, ChunkHashingSink, HashSpec, hash_file
 from tiering.errors import VerificationError
 from tiering.manifest import COMMITTED_NAME, MANIFEST_NAME, FileEntry, Manifest
 from tiering.memory.slots import SlotView
@@ -114,6 +114,20 @@ class SlotStore:
         its size. In place by default (tmpfs pages reused); ``fresh_inode``: unlink first (a state
         loaded from this file may still map its pages). An OSError (a full tmpfs) leaves the slot
         unsealed and its payload removed, so no memory is held by a slot that cannot be used."""
+        return self._write(index, write, fresh_inode, None)[0]
+
+    def write_hashed(
+        self, index: int, write: Callable[[IO[bytes]], object], fresh_inode: bool, hashing: HashSpec
+    ) -> ChunkedDigest:
+        """:meth:`write_payload`, the chunk digests computed from the bytes as they are written
+        (``hashing.threads`` lanes beside the writer): the seal needs no second pass over the slot."""
+        digest = self._write(index, write, fresh_inode, hashing)[1]
+        assert digest is not None
+        return digest
+
+    def _write(
+        self, index: int, write: Callable[[IO[bytes]], object], fresh_inode: bool, hashing: HashSpec | None
+    ) -> tuple[int, ChunkedDigest | None]:
         self.invalidate(index)
         path = self.state_path(index)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,20 +135,24 @@ class SlotStore:
             path.unlink(missing_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         sink = _PayloadFile(fd)
+        hashed = ChunkHashingSink(sink, hashing.name, hashing.chunk_bytes, hashing.threads) if hashing else None
+        digest = None
         try:
             try:
-                write(sink)
+                write(hashed if hashed is not None else sink)
             except Exception as exc:
                 if sink.failure is not None:  # torch.save reports a failed write as its own RuntimeError
                     raise sink.failure from exc
                 raise
+            finally:
+                digest = hashed.finish() if hashed is not None else None  # its lanes never outlive the write
             os.ftruncate(fd, sink.size)
         except OSError:
             path.unlink(missing_ok=True)
             raise
         finally:
             os.close(fd)
-        return sink.size
+        return sink.size, digest
 
     def digest(self, index: int, hashing: HashSpec) -> ChunkedDigest:
         """The chunk digests of the slot's payload as it is now (the payload no longer changes)."""
