@@ -17,6 +17,7 @@ import torch
 
 from pretrain.checkpointing import raw_payload
 from pretrain.checkpointing.async_writer import save_state
+from pretrain.checkpointing.rank_payload import load_verified_state, owned_tensors
 from tiering.digest import HashSpec, hash_file
 from tiering.memory.slot_store import SlotStore, _PayloadFile
 
@@ -141,3 +142,21 @@ def test_a_slot_hashed_while_written_has_the_digest_of_its_bytes(tmp_path: Path)
     digest = store.write_hashed(0, lambda fh: raw_payload.write(payload, fh), fresh_inode=False, hashing=spec)
     assert digest == hash_file(store.state_path(0), spec)
     _same(payload, raw_payload.read(store.state_path(0)))
+
+
+def test_a_restore_keeps_no_mapping_of_a_raw_slot_once_its_tensors_are_owned(tmp_path: Path) -> None:
+    """As for a torch.save step (tests/test_disk_full.py): the load maps the file, and once the
+    optimizer holds copies nothing maps it any more (retention can free its space)."""
+    model = torch.nn.Linear(16, 16)
+    adam = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    adam.step()
+    path = tmp_path / "state.pt"
+    _write({"optimizer": adam.state_dict()}, path)
+    mapped = load_verified_state(path)
+    assert str(path) in Path("/proc/self/maps").read_text(), "the load is expected to map the file"
+    restored = torch.optim.AdamW(model.parameters())
+    restored.load_state_dict(owned_tensors(mapped["optimizer"]))
+    del mapped
+    assert str(path) not in Path("/proc/self/maps").read_text(), "the restored optimizer still maps the slot"
+    assert torch.equal(restored.state_dict()["state"][0]["exp_avg"], adam.state_dict()["state"][0]["exp_avg"])
