@@ -107,20 +107,12 @@ WRITER_EXIT_WAIT_S = 2.0  # a killed writer not gone by then is held by the kern
 POLL_S = 0.01  # a blocking wait for the writers polls them (and the deadline) this often
 
 
-def save_strategy(constant_structure: bool = False) -> FullyParallelSaveStrategyWrapper:
+def save_strategy() -> FullyParallelSaveStrategyWrapper:
     """Megatron's default save strategy spread over the data-parallel group, as Megatron's trainer
     does (``--ckpt-fully-parallel-save``): each DP replica writes a share of the replicated shards,
-    not DP rank 0's nodes all of them. Metadata only crosses ranks (works on gloo).
-
-    ``constant_structure`` (Megatron's ``--ckpt-assume-constant-structure``): the instance keeps
-    the shard distribution and the save plans of its first save, and later saves with it skip their
-    exchange and planning (Megatron checks the plans of two saves agree before it reuses them).
-    Keep one instance per attempt: the model's structure does not change within one."""
+    not DP rank 0's nodes all of them. Metadata only crosses ranks (works on gloo)."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    base = get_default_save_sharded_strategy()
-    if constant_structure and hasattr(base, "use_cached_ckpt_structure"):
-        base.use_cached_ckpt_structure = True
-    return FullyParallelSaveStrategyWrapper(base, group, do_cache_distribution=constant_structure)
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), group)
 
 
 def load_strategy(checkpoint_dir: Path, base: LoadShardedStrategy | None = None) -> FullyParallelLoadStrategyWrapper:
@@ -174,11 +166,6 @@ class ReshardableCheckpoints:
         self._warmup = start_writer_warmup()
         self._record_event = record_event
         self._queue = _new_queue()
-        # Built at the first save (the model-parallel groups exist by then) and kept: its cached
-        # distribution and plans took a third of the training thread's part of each later save
-        # (0.17 s of it on the tiny config, two ranks on 2 cores: two rounds of sharding
-        # validation, the distribution exchange and the plan gather).
-        self._strategy: FullyParallelSaveStrategyWrapper | None = None
         self._inflight: dict[str, Any] | None = None
         # Whether the next non-blocking poll may finalize (see poll_fits_in_step): agreed per step.
         self._may_finalize = True
@@ -403,14 +390,10 @@ class ReshardableCheckpoints:
         (tmp / "rank-state").mkdir(exist_ok=True)
         model_sd = state.model.sharded_state_dict()
         optim_sd = state.optimizer.sharded_state_dict(model_sd, kind="reshardable")
-        first = self._strategy is None
-        if self._strategy is None:
-            self._strategy = save_strategy(constant_structure=True)
         request = dist_checkpointing.save(
             {"model": model_sd, "optimizer": optim_sd},
             str(tmp / "model"),
-            self._strategy,
-            validate_access_integrity=first,  # the structure is checked once per attempt, as Megatron does
+            save_strategy(),
             async_sharded_save=background,
             **(async_save_kwargs() if background else {}),
         )
