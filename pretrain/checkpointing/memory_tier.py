@@ -21,6 +21,7 @@ takes or returns a save is collective, as for the other tiers.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import socket
@@ -344,7 +345,7 @@ class MemoryTier:
                 if job.host_copy:
                     job.copied.set()
             # Hashed while written (hashing.threads lanes beside this thread): no second pass.
-            write = lambda fh: raw_payload.write(staged, fh)  # noqa: E731 - a one-line writer
+            write = functools.partial(raw_payload.write, staged)
             digest = self.store.write_hashed(job.slot, write, fresh_inode, self.hashing)
             job.nbytes = digest.size
             self.store.seal(job.slot, manifest, digest, job.sequence)

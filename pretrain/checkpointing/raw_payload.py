@@ -107,26 +107,27 @@ def is_raw(path: Path) -> bool:
 def read(path: Path) -> dict[str, Any]:
     """The payload in ``path`` (this layout, or a ``torch.save`` file), its tensors views of the
     file mapped copy-on-write. ValueError names the file when the header does not describe it."""
-    if not is_raw(path):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     with open(path, "rb") as fh:
-        _, length = _PREFIX.unpack(fh.read(_PREFIX.size))
+        magic, length = _PREFIX.unpack(fh.read(_PREFIX.size).ljust(_PREFIX.size, b"\0"))
+        if magic != MAGIC:
+            fh.close()
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         header = torch.load(io.BytesIO(fh.read(length)), map_location="cpu", weights_only=True)
         size = fh.seek(0, io.SEEK_END)
-        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # never empty: the magic is in it
     start = _aligned(_PREFIX.size + length)
     tensors = [_view(mapped, start, size, entry, path) for entry in header["tensors"]]
     return _put_tensors(header["skeleton"], tensors)
 
 
-def _view(mapped: mmap.mmap | None, start: int, size: int, entry: Any, path: Path) -> torch.Tensor:
+def _view(mapped: mmap.mmap, start: int, size: int, entry: Any, path: Path) -> torch.Tensor:
     dtype_name, shape, offset, nbytes = entry
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype) or start + offset + nbytes > size:
         raise ValueError(
             f"{path}: raw payload header names {dtype_name} {shape} at {offset}, past the file's {size} bytes"
         )
-    if nbytes == 0 or mapped is None:
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     count = nbytes // dtype.itemsize
     return torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + offset).view(shape)
