@@ -51,6 +51,33 @@ def test_a_failing_writer_reports_its_cause(tmp_path: Path) -> None:
     assert outcome is not None and not outcome.ok and "injected writer failure" in outcome.error
 
 
+class _UnsafeToFinalizeInAChild:
+    """Stands for any object of the training process that is unsafe to finalize in a forked copy of
+    it (one whose threads and locks are gone there): it kills the process that finalizes it."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.cycle = self  # garbage only the cyclic collector frees
+
+    def __del__(self) -> None:
+        if os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_fork_writer_never_collects_the_training_process_garbage(tmp_path: Path) -> None:
+    # Many small objects: serialising them allocates enough for the child to start a collection.
+    payload = {"model": {f"p{i}": torch.ones(4) for i in range(2000)}, "meta": [[i] for i in range(3000)]}
+    gc.collect()
+    for _ in range(50):  # the youngest garbage of the parent at the fork
+        _UnsafeToFinalizeInAChild(os.getpid())
+    write = BackgroundWrite("fork", payload, tmp_path / "state.pt")
+    outcome = write.poll(block=True)
+    assert outcome is not None and outcome.ok, outcome
+    assert gc.isenabled(), "the training process collects again after the fork"
+    assert torch.load(tmp_path / "state.pt", weights_only=True)["meta"][2999] == [2999]
+    gc.collect()  # the parent finalizes its own garbage
+
+
 def _steps(root: Path, rank: int) -> list[int]:
     d = root / "ranks" / f"rank-{rank:05d}" / "steps"
     return sorted(int(p.name.split("-")[1]) for p in d.glob("step-*") if ".tmp" not in p.name)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import logging
 import os
@@ -167,7 +168,7 @@ class BackgroundWrite:
         self.copy_binding: dict[str, str] | None = None  # thread mode on GPU: where the copy ran
         if mode == "fork":
             read_fd, write_fd = os.pipe()
-            self._pid = os.fork()
+            self._pid = _fork_without_collecting()
             if self._pid == 0:  # the child: write, fsync, leave without running any parent cleanup
                 os.close(read_fd)
                 _child_write(payload, path, fault, write_fd, prepare, hashing, slow_s)
@@ -515,6 +516,27 @@ def _read_report(fd: int | None) -> dict[str, Any]:
     if "digest" in report:
         report["digest"] = ChunkedDigest.from_json(report["digest"])
     return report
+
+
+def _fork_without_collecting() -> int:
+    """``os.fork()`` with the cyclic garbage collector off in the child for its whole life.
+
+    The child is a copy of a process that runs other threads (tier 0's writer, hash lanes,
+    libraries' pools) and holds their garbage. A collection in the child would finalize the
+    parent's objects in a process where their threads and locks do not exist: the full suite saw
+    a writer child die of SIGSEGV while garbage-collecting (with pyarrow loaded in the process).
+    The child lives for one write and leaves with ``os._exit``, so it has no use for a collector;
+    it is off from before the fork, so no collection runs even in the interpreter's after-fork
+    hooks. The parent's collector state is restored at once."""
+    enabled = gc.isenabled()
+    gc.disable()
+    pid = -1
+    try:
+        pid = os.fork()
+    finally:
+        if pid != 0 and enabled:  # the parent, or a fork that failed
+            gc.enable()
+    return pid
 
 
 def _child_write(
