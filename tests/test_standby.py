@@ -86,6 +86,9 @@ def test_a_forked_rank_gets_the_clients_command_environment_directory_streams_an
     # What makes a restart cheap: the optimizer's Dynamo import is done, and the rank's first full
     # collection walks none of the ~350 k preloaded objects (each walk copies the shared pages).
     assert seen["dynamo_loaded"] and seen["frozen_objects"] > 100_000, seen
+    # ... and the server's imports ran without the collector walking the growing heap (a second of
+    # a new job's start on 2 cores).
+    assert seen["full_collections_before_fork"] == 0, seen
 
 
 def test_a_rank_that_dies_of_a_signal_ends_its_client_by_the_same_signal(

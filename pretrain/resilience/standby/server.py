@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import importlib
 import os
 import selectors
@@ -41,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pretrain.platform.import_collector import imports_without_collecting
 from pretrain.platform.procfs import EXIT_CODE, STATE, stat_fields
 from pretrain.resilience.standby import wire
 from pretrain.resilience.standby.wire import RankRequest
@@ -343,17 +343,18 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, wire.JOB_SIGNALS)  # blocked by .beside until now: pending ones dropped
     listener = socket.socket(fileno=int(argv[0]))  # bound and listening already (see .beside)
-    modules = preload()
+    # The preloaded objects (~350 k) end in the collector's permanent generation: a forked rank's
+    # first full collection would otherwise walk them all (0.23 s measured) and write to each
+    # object's header, copying the pages it shares with this process (CPython's advice for fork
+    # servers: freeze right before forking). The collector is also off while they are imported:
+    # a second of a new job's start on 2 cores (see imports_without_collecting).
+    with imports_without_collecting():
+        modules = preload()
     hazard = fork_hazard()
     if hazard is not None:
         print(f"standby: not serving: {hazard}; ranks import everything themselves", file=sys.stderr)
         listener.close()
         return
-    # The preloaded objects (~350 k) move to the collector's permanent generation: a forked rank's
-    # first full collection would otherwise walk them all (0.23 s measured) and write to each
-    # object's header, copying the pages it shares with this process (CPython's advice for fork
-    # servers: freeze right before forking).
-    gc.freeze()
     dropped = shut_nvml_down(nvml_library())
     held = open_device_files()
     if dropped or held:
