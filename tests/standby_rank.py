@@ -35,7 +35,7 @@ def _report(code: str) -> int:
         "agent": os.environ.get(AGENT_ENV),
         "dynamo_loaded": "torch._dynamo" in sys.modules,  # what a rank's first optimizer imports
         "frozen_objects": gc.get_freeze_count(),  # the server's preloaded objects, out of the collector's way
-        # Inherited from the server: the full collections it ran while it imported (none: paused).
+        # Full collections before this report, the server's included (none: its imports were paused).
         "full_collections_before_fork": gc.get_stats()[2]["collections"],
     }
     print(json.dumps(seen), flush=True)

@@ -70,12 +70,14 @@ def test_a_fork_writer_never_collects_the_training_process_garbage(tmp_path: Pat
     gc.collect()
     for _ in range(50):  # the youngest garbage of the parent at the fork
         _UnsafeToFinalizeInAChild(os.getpid())
-    write = BackgroundWrite("fork", payload, tmp_path / "state.pt")
-    outcome = write.poll(block=True)
-    assert outcome is not None and outcome.ok, outcome
-    assert gc.isenabled(), "the training process collects again after the fork"
-    assert torch.load(tmp_path / "state.pt", weights_only=True)["meta"][2999] == [2999]
-    gc.collect()  # the parent finalizes its own garbage
+    try:
+        write = BackgroundWrite("fork", payload, tmp_path / "state.pt")
+        outcome = write.poll(block=True)
+        assert outcome is not None and outcome.ok, outcome
+        assert gc.isenabled(), "the training process collects again after the fork"
+        assert torch.load(tmp_path / "state.pt", weights_only=True)["meta"][2999] == [2999]
+    finally:
+        gc.collect()  # the parent finalizes its own garbage, pass or fail (a later test's fork must not)
 
 
 def _steps(root: Path, rank: int) -> list[int]:

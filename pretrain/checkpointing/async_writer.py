@@ -527,14 +527,18 @@ def _fork_without_collecting() -> int:
     a writer child die of SIGSEGV while garbage-collecting (with pyarrow loaded in the process).
     The child lives for one write and leaves with ``os._exit``, so it has no use for a collector;
     it is off from before the fork, so no collection runs even in the interpreter's after-fork
-    hooks. The parent's collector state is restored at once."""
+    hooks, and turned off again in the child in case another thread of the parent turned it back
+    on in between (Megatron's and DCP's save helpers toggle the process-wide flag). The parent's
+    collector state is restored at once."""
     enabled = gc.isenabled()
     gc.disable()
     pid = -1
     try:
         pid = os.fork()
     finally:
-        if pid != 0 and enabled:  # the parent, or a fork that failed
+        if pid == 0:
+            gc.disable()
+        elif enabled:  # the parent, or a fork that failed
             gc.enable()
     return pid
 

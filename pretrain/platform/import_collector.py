@@ -10,9 +10,11 @@ preload took 4.0-4.3 s with the collector on and 2.9-3.2 s with it paused (two r
 the collector's permanent generation (``gc.freeze``, which also resets its allocation counts), so
 no collection of the whole heap follows either: later collections walk only what training makes.
 That is CPython's own advice for processes that fork after their imports (the standby server) and
-as good for one that trains after them. What the imports leave as cyclic garbage is frozen with
-the rest instead of being freed (~9 000 objects, ~7 MB, measured after the preload): a few
-megabytes per process bought for a second of every start.
+as good for one that trains after them. Everything that exists at the end is frozen, not only
+the imports' objects (in a rank also its config), and a frozen object is never collected, even if
+it later ends in a cycle; what the imports leave as cyclic garbage is frozen with the rest instead
+of being freed (~9 000 objects, ~7 MB, measured after the preload): a few megabytes per process
+bought for a second of every start.
 
 Owns only the collector's state around the imports; never imports anything itself.
 """

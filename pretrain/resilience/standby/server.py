@@ -346,8 +346,9 @@ def main(argv: list[str]) -> None:
     # The preloaded objects (~350 k) end in the collector's permanent generation: a forked rank's
     # first full collection would otherwise walk them all (0.23 s measured) and write to each
     # object's header, copying the pages it shares with this process (CPython's advice for fork
-    # servers: freeze right before forking). The collector is also off while they are imported:
-    # a second of a new job's start on 2 cores (see imports_without_collecting).
+    # servers: freeze before forking; nothing the serve loop makes later is worth freezing). The
+    # collector is also off while they are imported: a second of a new job's start on 2 cores
+    # (see imports_without_collecting).
     with imports_without_collecting():
         modules = preload()
     hazard = fork_hazard()
