@@ -11,7 +11,8 @@ between them (``scripts/gpu-check.sh`` runs the GPU checks on the newest release
   :func:`async_save_kwargs` returns what to pass.
 * The checkpoint writer's multiprocessing Manager, warmed up at start-up: 0.16.1 names its getter
   ``filesystem_async._get_write_results_queue``, 0.19 ``get_write_results_queue``.
-  :func:`warm_write_results_queue` calls whichever exists.
+  :func:`warm_write_results_queue` calls whichever exists; both keep the queue in the module's
+  ``_results_queue``, which it then wraps to hold bytes (:mod:`pretrain.platform.bytes_queue`).
 * The memory-efficient fully-reshardable optimizer gather (metadata
   ``distrib_optim_fully_reshardable_mem_efficient``: a gloo gather to DP rank 0 only, instead of an
   NCCL all-gather of the whole model-parallel shard's fp32 state onto every DP rank's GPU and
@@ -43,6 +44,8 @@ from typing import Any
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from pretrain.platform.bytes_queue import BytesQueue
 
 MEM_EFFICIENT_KEY = "distrib_optim_fully_reshardable_mem_efficient"
 
@@ -103,8 +106,13 @@ def write_results_queue_getter(module: Any = filesystem_async) -> Any:
 
 
 def warm_write_results_queue() -> None:
-    """Start the writer's multiprocessing Manager now (its first save would otherwise pay for it)."""
+    """Start the writer's multiprocessing Manager now (its first save would otherwise pay for it),
+    created as the installed Megatron creates it, then wrapped so that it holds pickled bytes
+    (:mod:`pretrain.platform.bytes_queue`: the Manager never imports torch)."""
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
     write_results_queue_getter()()
+    filesystem_async._results_queue = BytesQueue(filesystem_async._results_queue)
 
 
 def drain_write_results() -> None:
