@@ -31,7 +31,7 @@ def results_queue() -> Iterator[BytesQueue]:
         assert isinstance(made, BytesQueue)
         yield made
     finally:
-        made.inner._manager.shutdown()  # the proxy's own Manager (started by the warm-up)
+        getattr(made, "inner", made)._manager.shutdown()  # the proxy's own Manager (started by the warm-up)
         reset_write_results_queue()
         filesystem_async._results_queue = before
 
@@ -40,8 +40,8 @@ def _writer(results: BytesQueue) -> None:
     results.put(RESULTS)  # what Megatron's forked writer does with its results
 
 
-def _manager_libraries() -> list[str]:
-    (manager,) = [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+def _manager_libraries(results: BytesQueue) -> list[str]:
+    manager = psutil.Process(results.inner._manager._process.pid)  # the Manager serving this queue
     return [m.path for m in manager.memory_maps()]
 
 
@@ -51,7 +51,7 @@ def test_a_forked_writers_results_reach_the_rank_and_the_manager_never_loads_tor
     writer.join(60)
     assert writer.exitcode == 0
     assert results_queue.get(timeout=30) == RESULTS
-    loaded = _manager_libraries()
+    loaded = _manager_libraries(results_queue)
     assert not [p for p in loaded if "libtorch" in Path(p).name], "the Manager unpickled a result and imported torch"
 
 
@@ -62,3 +62,16 @@ def test_the_drain_empties_it_and_an_empty_queue_says_so(results_queue: BytesQue
     with pytest.raises(queue.Empty):
         results_queue.get_nowait()
     assert results_queue.qsize() == 0  # what the queue itself answers
+
+
+class _Unrebuildable(Exception):
+    """An exception whose stored arguments do not rebuild it (pickling it works, loading it fails)."""
+
+    def __init__(self, path: str, errno: int) -> None:
+        super().__init__(f"{path}: errno {errno}")
+
+
+def test_a_result_that_cannot_be_loaded_comes_back_as_the_writers_failure(results_queue: BytesQueue) -> None:
+    results_queue.put(_Unrebuildable("/ckpt/__0_0.distcp", 28))
+    got = results_queue.get(timeout=30)
+    assert isinstance(got, RuntimeError) and "could not be read back" in str(got), got

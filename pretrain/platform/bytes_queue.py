@@ -45,13 +45,23 @@ class BytesQueue:
         self.put(item, block=False)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        return pickle.loads(self._inner.get(block, timeout))  # noqa: S301 - this rank's own writer's results
+        """The next item; one whose pickle cannot be loaded here (an exception class whose
+        arguments do not rebuild it, say) comes back as a ``RuntimeError`` naming why, which
+        Megatron's reader takes as its writer's failure (before, the Manager's own unpickling
+        failed the writer's ``put``)."""
+        data = self._inner.get(block, timeout)
+        try:
+            return pickle.loads(data)  # noqa: S301 - this rank's own writer's results
+        except Exception as exc:  # noqa: BLE001 - handed back as the failed write it is, never dropped
+            return RuntimeError(f"a checkpoint writer's result could not be read back: {type(exc).__name__}: {exc}")
 
     def get_nowait(self) -> Any:
         return self.get(block=False)
 
     def __getattr__(self, name: str) -> Any:
         """``qsize``, ``empty`` and the like, as the inner queue answers them."""
-        if name == "_inner":  # looked up before __init__ ran (unpickling): not the inner queue's
+        # _inner: looked up before __init__ ran (unpickling). Special names (copy's __deepcopy__,
+        # pickle's hooks) must not answer for the inner queue: a copy would lose the wrapper.
+        if name == "_inner" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self._inner, name)

@@ -122,9 +122,10 @@ def drain_write_results() -> None:
     results = getattr(filesystem_async, "_results_queue", None)
     if results is None:
         return
+    stored = results.inner if isinstance(results, BytesQueue) else results  # dropped unread: no unpickling
     with contextlib.suppress(queue.Empty, OSError, EOFError):  # empty, or its Manager is gone
         while True:
-            results.get_nowait()
+            stored.get_nowait()
 
 
 def reset_write_results_queue() -> None:
