@@ -101,9 +101,11 @@ def _cap(run_dir: Path, work: Path) -> CpuCap:
 
 
 def ft_config(work: Path) -> Path:
-    """tests/cluster/ft-cluster.yaml with a heartbeat timeout a rank at a few per cent of a CPU meets."""
+    """tests/cluster/ft-cluster.yaml with a heartbeat timeout a rank at a few per cent of a CPU meets,
+    even in its step with a save: 38 s on an idle host, 90 s in a full suite at load 10 (measured;
+    at 60 s the rank was restarted uncapped there before its third report, and nothing was excluded)."""
     path = work / "ft-slow.yaml"
-    path.write_text(FT_CLUSTER.read_text().replace("rank_heartbeat_timeout: 8.0", "rank_heartbeat_timeout: 60.0"))
+    path.write_text(FT_CLUSTER.read_text().replace("rank_heartbeat_timeout: 8.0", "rank_heartbeat_timeout: 180.0"))
     return path
 
 
