@@ -66,7 +66,10 @@ def main(argv: list[str]) -> int:
         seconds = time.perf_counter() - t0
         result = {"step": step, "seconds": seconds, "under_replicated": report.under_replicated}
         result["failures"] = {str(k): v for k, v in report.failures.items()}
-        (control / f"round-{step}.rank-{rank}.json").write_text(json.dumps(result))
+        # Renamed into place: the test reads a round's file as soon as it exists.
+        done = control / f"round-{step}.rank-{rank}.json"
+        done.with_suffix(".tmp").write_text(json.dumps(result))
+        os.replace(done.with_suffix(".tmp"), done)
 
 
 if __name__ == "__main__":
