@@ -25,11 +25,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from pretrain.checkpointing.agent.client import AgentLink, keep_agent_watching
+from pretrain.checkpointing.agent.client import AgentLink, introduce_nodes, keep_agent_watching
 from pretrain.checkpointing.manager import CheckpointManager
 from pretrain.checkpointing.memory_budget import host_memory_per_node, host_memory_refusal, node_memory_bytes
 from pretrain.checkpointing.reporting import SaveReport
 from pretrain.checkpointing.reshardable import wait_for_writer_warmup
+from pretrain.checkpointing.run_key_source import key_path, load_run_key
 from pretrain.checkpointing.state import RestoreResult
 from pretrain.commands.plan_model import host_layout, model_size
 from pretrain.config import Config, validate
@@ -50,6 +51,8 @@ from pretrain.resilience.phases import PhaseRecord
 from pretrain.resilience.stragglers import FORWARD, STEP, StragglerWatch, sink_to
 from pretrain.session import Session, build_session, control_collective
 from tiering.collective import TorchCollective
+from tiering.errors import RunKeyError
+from tiering.peer.placement import node_name
 
 log = logging.getLogger("pretrain")
 _AGENT_WATCH: AgentLink | None = None  # the connection that keeps the node's agent (and its hang watch) up
@@ -177,6 +180,26 @@ def _watch_this_rank(cfg: Config) -> None:
     _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, AUTO)
 
 
+def _watch_peer_nodes(session: Session, ctx: AttemptContext) -> None:
+    """Collective. A multi-node run: from here on this node's agent beats to the other nodes'
+    agents and finds a lost node in ``fault_tolerance.node_lost_s`` (start-up and the restore are
+    left to NVRx's timeouts); see :mod:`pretrain.resilience.node_liveness`."""
+    cfg, ft = session.cfg, session.cfg.fault_tolerance
+    if ft.node_lost_s <= 0 or session.world <= _env_int("LOCAL_WORLD_SIZE", session.world):
+        return
+    global _AGENT_WATCH  # noqa: PLW0603 - one connection for the process's life
+    _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, ft.hang_watch_s, always=True)
+    coll = session.tiers.coll
+    try:
+        load_run_key(cfg.checkpoint.integrity, cfg.run, coll)  # made here when no tier made it
+    except RunKeyError as exc:
+        log.warning("lost nodes are found by NVRx's timeouts only: %s", exc)
+        return
+    key_file, _ = key_path(cfg.checkpoint.integrity, cfg.run)
+    node = node_name(cfg.checkpoint.replication.node)
+    introduce_nodes(_AGENT_WATCH, coll, node, ctx.id, key_file, ft.node_lost_s)
+
+
 def _release_agent() -> None:
     """The run trained to its end on this rank: the node's agent may exit once every rank left."""
     if _AGENT_WATCH is not None:
@@ -229,6 +252,7 @@ def _run_attempt(cfg: Config, rank: int, world: int, ctx: AttemptContext) -> Run
     )
     ctx.on_abort.append(checkpointer.abandon)
     restored = _restore(session, ctx, checkpointer)
+    _watch_peer_nodes(session, ctx)
     ctx.metrics.tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_length
     ctx.metrics.planned_interval_steps = session.tiers.planned_intervals()
     loop = TrainingLoop(session, ctx, checkpointer, restored)

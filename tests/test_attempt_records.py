@@ -286,3 +286,21 @@ def test_a_rank_the_hang_watch_killed_is_named_hung_even_when_its_peer_saw_the_k
         assert failure["ranks"] == [1] and failure["evidence"].startswith("ranks [1] hung: no sign of life for 2.2s")
     else:
         assert not failure["evidence"].startswith("ranks [1] hung"), failure
+
+
+@pytest.mark.parametrize("attempt", ["a1", "a0"])
+def test_a_node_the_liveness_found_lost_is_named_and_its_ranks_told_from_the_ones_it_stopped(
+    tmp_path: Path, attempt: str
+) -> None:
+    """Node n1 (rank 1) vanished; node n0's agent heard no beat for 2.1 s and killed rank 0: both
+    ranks ended without a report. The diagnosis names the lost node and rank 1, not rank 0; an
+    event of another attempt says nothing."""
+    _rank_1_silent(tmp_path, gap_s=0.3)
+    lost = {"event": "node_lost", "node": "n1", "seen_by": "n0", "silent_s": 2.1, "killed_ranks": [0], "time": 5.0}
+    append_jsonl(tmp_path / "events.jsonl", {**lost, "attempt": attempt})
+    failure = _next_attempts_diagnosis(tmp_path)
+    if attempt == "a1":
+        assert failure["ranks"] == [1] and failure["classification"] == "infrastructure", failure
+        assert failure["evidence"].startswith("node n1 lost: no beat for 2.1s (seen by n0); ranks [0] stopped"), failure
+    else:
+        assert not failure["evidence"].startswith("node n1 lost"), failure

@@ -7,6 +7,12 @@ goes down, its processes are SIGKILLed and its disks (NVMe and tier-0 memory) wi
 comes up empty under the same name. The restore must come from tier 0 on both ranks (a step newer
 than tier 1's), node 1's rank from the copy node 0 held (``memory-peer``), and the run must be
 bit-exact against an uninterrupted run from there on (the steps lost are printed).
+
+Node 0 learns of the loss from the node liveness (``fault_tolerance.node_lost_s``, 2 s by default):
+its agent stops hearing node 1's agent, kills node 0's rank and records ``node_lost``, within
+the limit plus ``DETECT_SLACK_S`` of the link going down, far inside the 8 s rank heartbeat
+timeout of ``tests/cluster/ft-cluster.yaml`` that found it before. The seconds from the cut to the
+kill and to the first step after it are printed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(una
 STEPS = 18
 LOSS_AFTER = 13  # node 1 is lost once the job finished this step (tier 1's newest is 10)
 SLOTS = 3
+NODE_LOST_S = 2.0  # fault_tolerance.node_lost_s, the default
+DETECT_SLACK_S = 1.5  # one beat, the agent's loop, and a loaded 2-core machine
 COMMON = {
     "checkpoint.local.interval": 10,
     "checkpoint.reshardable.interval": 10,
@@ -88,6 +96,7 @@ def test_a_lost_nodes_rank_restores_from_the_peers_tier0_bit_exact(tmp_path: Pat
             # node 0 holds a copy newer than tier 1's, as the restore below is to show.
             _wait_for_peer_copy_newer_than(cluster.nodes[0].nvme / "shm", 10, procs[0])
             last_before_loss = max(r["step"] for r in metric_rows(run_dir))
+            cut = time.time()
             cluster.link(1, up=False)
             cluster.kill(1)
             cluster.remove(1)  # its NVMe and its tier-0 directory are gone with it
@@ -104,7 +113,12 @@ def test_a_lost_nodes_rank_restores_from_the_peers_tier0_bit_exact(tmp_path: Pat
     assert restore["tier"] == "memory-peer" and [rows[r]["tier"] for r in (0, 1)] == ["memory", "memory-peer"], restore
     assert rows[1]["source"].startswith("rank 0's tier 0"), rows[1]
     assert restore["step"] > 10, restore  # newer than tier 1's newest: tier 0 on both nodes
-    print("CLUSTER_MEMORY_PEER", {"done_before_loss": last_before_loss, "restored": restore["step"]})
+    [lost] = [e for e in events(run_dir) if e["event"] == "node_lost"]
+    assert (lost["node"], lost["seen_by"], lost["killed_ranks"]) == ("pretrain-1", "pretrain-0", [0]), lost
+    assert lost["time"] - cut < NODE_LOST_S + DETECT_SLACK_S, lost["time"] - cut
+    next_step = min(r["time"] for r in metric_rows(run_dir) if r["time"] > cut)
+    timings = {"detected_s": round(lost["time"] - cut, 2), "next_step_s": round(next_step - cut, 2)}
+    print("CLUSTER_MEMORY_PEER", {"done_before_loss": last_before_loss, "restored": restore["step"], **timings})
     got, want = metrics_by_step(run_dir), metrics_by_step(base / "runs" / "t")
     assert max(got) == STEPS
     for step in range(restore["step"] + 1, STEPS + 1):

@@ -114,6 +114,7 @@ def test_bad_config_names_key_file_and_fix(tmp_path: Path, text: str, overrides:
         (["checkpoint.reshardable.stall_timeout_s=-1"], 1, "checkpoint.reshardable.stall_timeout_s"),
         (["checkpoint.reshardable.probe_interval_s=0"], 1, "checkpoint.reshardable.probe_interval_s"),
         (["fault_tolerance.hang_watch_s=1.5"], 1, "fault_tolerance.hang_watch_s"),  # 0, auto or >= 2 s
+        (["fault_tolerance.node_lost_s=0.5"], 1, "fault_tolerance.node_lost_s"),  # 0 or >= 1 s
     ],
 )
 def test_impossible_combinations_fail_validation(overrides: list[str], world: int, key: str) -> None:

@@ -180,6 +180,11 @@ class FaultToleranceConfig:
     # calculate_timeouts_after steps ran, where no checkpoint is written on the training thread
     # (off with a thread writer: GPU); 0: off, NVRx's section timeouts alone find hangs.
     hang_watch_s: float | Literal["auto"] = "auto"
+    # Seconds another node's checkpoint agent may go without a beat (UDP between the nodes' agents,
+    # keyed with the run key) before this node's agent counts that node lost and kills this node's
+    # ranks of the attempt, so the launchers restart in seconds instead of after a heartbeat or
+    # collective timeout. Multi-node runs only; 0: off.
+    node_lost_s: float = 2.0
     inprocess: InprocessConfig = field(default_factory=InprocessConfig)
     inject: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -200,6 +205,12 @@ class FaultToleranceConfig:
                 "hang_watch_s",
                 f"must be auto, 0 (off) or >= 2 s, got {watch!r}",
                 "use auto, 0 or at least 2 (ten pulses: a busy node must not read as a hang)",
+            )
+        if self.node_lost_s < 0 or 0 < self.node_lost_s < 1.0:
+            fail(
+                "node_lost_s",
+                f"must be 0 (off) or >= 1 s, got {self.node_lost_s!r}",
+                "use 0 or at least 1 (five beats: a busy node must not read as lost)",
             )
         if self.gpu_memory_reclaim_timeout < 0:
             fail("gpu_memory_reclaim_timeout", "must be >= 0", "give the seconds to wait (0: do not wait)")

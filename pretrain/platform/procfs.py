@@ -18,3 +18,11 @@ def stat_fields(stat_file: Path) -> list[str]:
     """The fields of a ``stat`` file (``/proc/<pid>/stat`` or ``/proc/<pid>/task/<tid>/stat``)
     after the command name. Raises OSError when the process is gone."""
     return stat_file.read_text().rsplit(")", 1)[1].split()
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return stat_fields(Path(f"/proc/{pid}/stat"))[STATE] != "Z"
+    except (OSError, IndexError):
+        return False

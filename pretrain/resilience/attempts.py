@@ -159,24 +159,58 @@ def _injected_faults(run_dir: Path, attempt_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def _watch_kills(run_dir: Path, pids: dict[int, int]) -> dict[int, float]:
-    """Ranks of ``pids`` (rank -> the pid of this attempt's process) that the node's hang watch
-    killed (``hang_killed`` events naming that process): rank -> the seconds it was silent."""
+def _agent_events(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The run's ``name`` events (written by the nodes' agents), in the order written."""
     try:
         lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
     except OSError:
-        return {}
-    out = {}
+        return []
+    out = []
     for line in lines:
-        if "hang_killed" not in line:
+        if name not in line:
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if row.get("event") == "hang_killed" and pids.get(row.get("rank", -1)) == row.get("pid"):
-            out[int(row["rank"])] = float(row.get("stale_s", 0.0))
+        if isinstance(row, dict) and row.get("event") == name:
+            out.append(row)
     return out
+
+
+def _watch_kills(run_dir: Path, pids: dict[int, int]) -> dict[int, float]:
+    """Ranks of ``pids`` (rank -> the pid of this attempt's process) that the node's hang watch
+    killed (``hang_killed`` events naming that process): rank -> the seconds it was silent."""
+    return {
+        int(row["rank"]): float(row.get("stale_s", 0.0))
+        for row in _agent_events(run_dir, "hang_killed")
+        if pids.get(row.get("rank", -1)) == row.get("pid")
+    }
+
+
+def _lost_node(
+    run_dir: Path, attempt: str | None, silent: list[int], where: dict[int, str], reports: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The first node the node liveness found lost in ``attempt`` (``node_lost`` events), as the
+    attempt's failure: the silent ranks it did not kill were the lost node's. None without one."""
+    lost = [e for e in _agent_events(run_dir, "node_lost") if e.get("attempt") == attempt]
+    if not lost:
+        return None
+    first = min(lost, key=lambda e: e.get("time", 0.0))
+    killed = {r for e in lost for r in e.get("killed_ranks", [])}
+    ranks = [r for r in silent if r not in killed] or silent
+    how = f"no beat for {first['silent_s']}s" if first.get("silent_s") is not None else "reported lost"
+    return {
+        "rank": ranks[0],
+        "ranks": ranks,
+        "exit_code": None,
+        "exception": None,
+        "classification": Classification.INFRASTRUCTURE.value,
+        "evidence": f"node {first.get('node')} lost: {how} (seen by {first.get('seen_by')}); "
+        f"ranks {sorted(killed)} stopped by the node liveness",
+        "phases": {str(r): p for r, p in where.items()},
+        "reports": len(reports),
+    }
 
 
 def diagnose(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
@@ -241,6 +275,8 @@ def _silent(run_dir: Path, record: dict[str, Any], silent: list[int], reports: l
     fatal = {r: f for r in silent if (f := fatal_signal(ranks_dir(run_dir), r, recs.get(r, {}).get("pid")))}
     if fatal:
         return _fatal_failure(fatal, where, reports)
+    if (lost := _lost_node(run_dir, attempt, silent, where, reports)) is not None:
+        return lost
     watched = _watch_kills(run_dir, {r: rec["pid"] for r, rec in recs.items() if "pid" in rec})
     if watched:  # the node's hang watch saw these ranks stop while their peers pulsed, and killed them
         return _silent_failure(sorted(watched), where, record, reports, hung_for=max(watched.values()))

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pretrain.observability.runlog import append_jsonl
-from pretrain.platform.procfs import STATE, stat_fields
+from pretrain.platform.procfs import is_running
 from pretrain.resilience.phases import PULSE_ROOT, pulse_path, ranks_dir
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class HangWatch:
         auto = self.threshold_s == AUTO
         for rank in hung(pulses, now, AUTO_FLOOR_S if auto else float(self.threshold_s)):
             pid = pids[rank]
-            if (rank, pid) in self.killed or not _running(pid):
+            if (rank, pid) in self.killed or not is_running(pid):
                 continue
             record = self._record(rank, pid)
             limit = record.get("hang_watch_s") if auto else self.threshold_s
@@ -166,7 +166,7 @@ class HangWatch:
                 mtime = st.st_mtime
             except (OSError, ValueError):
                 continue
-            if pid > 0 and _running(pid):  # a rank that ended is the launcher's business
+            if pid > 0 and is_running(pid):  # a rank that ended is the launcher's business
                 pids[rank], times[rank] = pid, mtime
         return pids, times
 
@@ -177,11 +177,3 @@ class HangWatch:
         except (OSError, ValueError):
             return {}
         return record if isinstance(record, dict) and record.get("pid") == pid else {}
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and has not exited (a zombie has)."""
-    try:
-        return stat_fields(Path(f"/proc/{pid}/stat"))[STATE] != "Z"
-    except (OSError, IndexError):
-        return False

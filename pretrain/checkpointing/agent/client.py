@@ -28,7 +28,9 @@ from pretrain.config import CheckpointConfig, RunConfig
 from pretrain.errors import AgentGone
 from pretrain.observability.runlog import run_dir
 from pretrain.resilience.hang_watch import AUTO, HangSetting
+from pretrain.resilience.node_liveness import advertised_host
 from pretrain.resilience.standby.wire import receive, require_same_user, send
+from tiering.collective import Collective
 from tiering.errors import UnsafeDirectory
 from tiering.system.private_dir import private_dir
 
@@ -160,12 +162,15 @@ class AgentLink:
         raise AgentGone(f"checkpoint agent did not listen within {START_WAIT_S:.0f}s; see {log_path}")
 
 
-def keep_agent_watching(run: RunConfig, ck: CheckpointConfig, hang_watch_s: HangSetting) -> AgentLink | None:
-    """With ``fault_tolerance.hang_watch_s``: make sure the node's agent runs (it watches every
-    rank of the run on the node) and keep a connection open for this process's life, so that the
-    agent stays while a rank lives. None when the watch is off; a failure to start it is one
-    warning (NVRx's timeouts still find hangs), never a failed rank."""
-    if hang_watch_s != AUTO and hang_watch_s <= 0:
+def keep_agent_watching(
+    run: RunConfig, ck: CheckpointConfig, hang_watch_s: HangSetting, always: bool = False
+) -> AgentLink | None:
+    """With ``fault_tolerance.hang_watch_s`` (or ``always``: the node liveness needs the agent):
+    make sure the node's agent runs (it watches every rank of the run on the node) and keep a
+    connection open for this process's life, so that the agent stays while a rank lives. None when
+    the watch is off; a failure to start it is one warning (NVRx's timeouts still find hangs),
+    never a failed rank."""
+    if not always and hang_watch_s != AUTO and hang_watch_s <= 0:
         return None
     link = AgentLink(spec_for(run, ck, hang_watch_s), ck.agent.timeout_s)
     try:
@@ -174,3 +179,46 @@ def keep_agent_watching(run: RunConfig, ck: CheckpointConfig, hang_watch_s: Hang
         log.warning("%s; hangs are found by NVRx's section timeouts alone", exc)
         return None
     return link
+
+
+def introduce_nodes(
+    link: AgentLink | None, coll: Collective, node: str, attempt: str, key_file: Path, lost_after_s: float
+) -> bool:
+    """Collective (every rank, once per attempt, after its restore): every rank's node and the
+    address its node's agent hears beats on, gathered; this rank's agent is told the attempt's
+    nodes and this rank's process, and from then on finds a lost node in ``lost_after_s``
+    (:mod:`pretrain.resilience.node_liveness`). False, with one warning, where it cannot (no agent,
+    no route to ``MASTER_ADDR``, the agent refused the key): NVRx's timeouts find lost nodes."""
+    port: int | None = None
+    why = "no checkpoint agent"
+    if link is not None:
+        try:
+            port = int(link.request({"op": "liveness"})["port"])
+        except AgentGone as exc:
+            why = str(exc)
+    host = advertised_host() if port is not None else None
+    if port is not None and host is None:
+        why = "no route to MASTER_ADDR"
+    rows = coll.all_gather((node, host, port))
+    if len({n for n, _, _ in rows}) < 2:
+        return False  # one node: nothing to watch
+    if link is None or host is None or port is None:
+        log.warning("lost nodes are found by NVRx's timeouts only: %s; fix: see the agent's log", why)
+        return False
+    peers = {n: (h, p) for n, h, p in rows if h is not None and p is not None}
+    message = {
+        "op": "peers",
+        "attempt": attempt,
+        "node": node,
+        "peers": peers,
+        "key_file": str(key_file),
+        "lost_after_s": lost_after_s,
+        "rank": coll.rank,
+        "pid": os.getpid(),
+    }
+    try:
+        link.request(message)
+    except AgentGone as exc:
+        log.warning("lost nodes are found by NVRx's timeouts only: %s", exc)
+        return False
+    return True

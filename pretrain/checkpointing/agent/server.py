@@ -19,7 +19,10 @@ for the same address finds it bound and exits at once. A killed agent leaves at 
 step directory behind, never a published torn step; the next agent removes it.
 
 With ``hang_watch_s`` (seconds, or ``auto``) the agent also watches the run's ranks on its node from outside them
-(:class:`pretrain.resilience.hang_watch.HangWatch`): a rank's held GIL cannot stop that watch.
+(:class:`pretrain.resilience.hang_watch.HangWatch`): a rank's held GIL cannot stop that watch. In a
+multi-node run the ranks introduce their attempt's nodes (``liveness``, then ``peers``) and the
+agent beats to the other nodes' agents and watches theirs
+(:class:`pretrain.resilience.node_liveness.NodeLiveness`): a lost node is found in seconds.
 
 Never: imports torch or Megatron (it starts in a fraction of a second), reads a slot other than the
 one a request names, or answers a peer running as another user.
@@ -45,8 +48,11 @@ from typing import Any
 
 from pretrain.checkpointing.agent.drain import Persist, SlotDrain
 from pretrain.resilience.hang_watch import AUTO, HangSetting, HangWatch
+from pretrain.resilience.node_liveness import NodeLiveness
 from pretrain.resilience.standby.wire import receive, require_same_user, send
+from tiering.errors import RunKeyError
 from tiering.system.fsio import atomic_write_bytes
+from tiering.trust.run_key import load as load_run_key
 
 log = logging.getLogger("pretrain.agent")
 
@@ -99,6 +105,9 @@ class Agent:
         self.stopping = False
         self.finishing = False
         self.status_path = Path(spec.status_dir) / "agents" / f"{socket.gethostname()}.json"
+        self.liveness: NodeLiveness | None = None  # made at the first rank's ``liveness`` request
+        self.liveness_stop = threading.Event()
+        self.liveness_thread: threading.Thread | None = None
 
     # -- worker ----------------------------------------------------------------------------------
     def work(self) -> None:
@@ -176,12 +185,32 @@ class Agent:
             return {"ok": True}
         if op == "hello":  # a rank that keeps a connection open: the agent stays while it lives
             return {"ok": True, "pid": os.getpid()}
+        if op == "liveness":  # a rank of a multi-node run asks where this node's beats are heard
+            return {"ok": True, "port": self._liveness().port}
+        if op == "peers":  # that rank's attempt, its node and every node's beat address
+            try:
+                key = load_run_key(Path(message["key_file"]))
+            except RunKeyError as exc:
+                return {"error": str(exc)}
+            self._liveness().introduce(message, key)
+            return {"ok": True}
         if op == "status":
             rank = int(message["rank"])
             with self.lock:
                 self.drain.set_floor(rank, message.get("floor"))
             return self.status(rank)
         return {"error": f"unknown request {op!r}"}
+
+    def _liveness(self) -> NodeLiveness:
+        with self.lock:
+            if self.liveness is None:
+                self.liveness = NodeLiveness(self.spec.run_id, Path(self.spec.status_dir))
+                thread = threading.Thread(
+                    target=self.liveness.run, args=(self.liveness_stop,), name="agent-liveness", daemon=True
+                )
+                thread.start()
+                self.liveness_thread = thread
+            return self.liveness
 
     def serve(self) -> None:
         sel = selectors.DefaultSelector()
@@ -268,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     agent._write_status()
     agent.serve()
     watching.set()
+    agent.liveness_stop.set()  # its last datagram is a bye: the peers stop watching this node
+    if agent.liveness_thread is not None:
+        agent.liveness_thread.join(timeout=2)
     agent.stopping = True
     listener.close()
     worker.join()  # every accepted request is finished before the agent exits
