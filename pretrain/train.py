@@ -190,14 +190,15 @@ def _watch_peer_nodes(session: Session, ctx: AttemptContext) -> None:
     global _AGENT_WATCH  # noqa: PLW0603 - one connection for the process's life
     _AGENT_WATCH = _AGENT_WATCH or keep_agent_watching(cfg.run, cfg.checkpoint, ft.hang_watch_s, always=True)
     coll = session.tiers.coll
+    link = _AGENT_WATCH
     try:
         load_run_key(cfg.checkpoint.integrity, cfg.run, coll)  # made here when no tier made it
-    except RunKeyError as exc:
+    except RunKeyError as exc:  # on this rank only, maybe (a file system that hides rank 0's new file)
         log.warning("lost nodes are found by NVRx's timeouts only: %s", exc)
-        return
+        link = None  # this rank still takes part in the gather below, as every rank must
     key_file, _ = key_path(cfg.checkpoint.integrity, cfg.run)
     node = node_name(cfg.checkpoint.replication.node)
-    introduce_nodes(_AGENT_WATCH, coll, node, ctx.id, key_file, ft.node_lost_s)
+    introduce_nodes(link, coll, node, ctx.id, key_file, ft.node_lost_s)
 
 
 def _release_agent() -> None:

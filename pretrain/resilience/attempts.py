@@ -196,7 +196,10 @@ def _lost_node(
     lost = [e for e in _agent_events(run_dir, "node_lost") if e.get("attempt") == attempt]
     if not lost:
         return None
-    first = min(lost, key=lambda e: e.get("time", 0.0))
+    # In a partition each side finds the other lost: name a node whose finder was not itself
+    # reported lost (the nodes' clocks may differ by more than the events' spacing).
+    reported = {e.get("node") for e in lost}
+    first = min([e for e in lost if e.get("seen_by") not in reported] or lost, key=lambda e: e.get("time", 0.0))
     killed = {r for e in lost for r in e.get("killed_ranks", [])}
     ranks = [r for r in silent if r not in killed] or silent
     how = f"no beat for {first['silent_s']}s" if first.get("silent_s") is not None else "reported lost"
