@@ -165,7 +165,10 @@ class MemoryTier:
         return self._inflight.step if self._inflight is not None else None
 
     def busy(self) -> bool:
-        return any(self.coll.all_gather(self.in_flight is not None))
+        """Is a snapshot in flight? The same answer on every rank without asking them: every rank
+        starts a snapshot at the same step and :meth:`poll_async` ends it on every rank at once
+        (one status exchange), so a collective here would only cost a round per step."""
+        return self.in_flight is not None
 
     def prepare(self) -> None:
         """Nothing to clean: an unsealed slot is never loaded and is the next one written."""
