@@ -1,16 +1,17 @@
 """`pretrain drill`: the seed's recovery experiment end to end (kill at 135 -> 100, restart ->
 150, damaged step 200 -> 150, three failures -> stop, a kill with tier 0 on -> at most one step lost),
-with its report files."""
+with its report files; no node agent of its runs outlives it."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from pretrain.commands.demo import FT_CONFIG
-from tests.helpers import run_verb
+from tests.helpers import agents_serving, run_verb
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,11 @@ def test_drill_passes_every_check_and_writes_its_report(tmp_path: Path) -> None:
     report = json.loads((work / "drill-report.json").read_text())
     failed = [c for c in report["checks"] if not c["passed"]]
     assert proc.returncode == 0 and report["passed"] and not failed, failed or proc.stdout[-3000:]
+    # The drill releases its runs' node agents (the last runs end in failures, which never tell them).
+    deadline = time.monotonic() + 10
+    while agents_serving(work) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not agents_serving(work), "an agent of the drill outlived it"
     names = [c["name"] for c in report["checks"]]
     assert names == [
         "baseline",

@@ -20,6 +20,7 @@ Writes ``drill-report.json``, ``drill-report.md`` and ``drill-loss.png`` under t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -34,9 +35,11 @@ from typing import Any
 import psutil
 import yaml
 
+from pretrain.checkpointing.agent.client import AgentLink, spec_for
 from pretrain.commands.demo import FT_CONFIG, memory_dir
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.config import load_config
+from pretrain.errors import AgentGone
 from pretrain.observability.goodput import format_goodput, goodput_from_records
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
 from pretrain.resilience.phases import read_phases
@@ -166,15 +169,32 @@ class Drill:
             stdout=subprocess.DEVNULL,
             env=self.env,
         )
-        base = self._baseline()
-        self._kill_and_recover(base)
-        self._restart_after_150()
-        self._bad_step_200()
-        attempts = self._three_failures()
-        self._collect_numbers(attempts)
-        self._tier0_kill(base)
+        try:
+            base = self._baseline()
+            self._kill_and_recover(base)
+            self._restart_after_150()
+            self._bad_step_200()
+            attempts = self._three_failures()
+            self._collect_numbers(attempts)
+            self._tier0_kill(base)
+        finally:
+            self._release_agents()
         rep.wall_seconds = time.perf_counter() - t0
         return rep
+
+    def _release_agents(self) -> None:
+        """The node agents of the drill's runs leave now, not after their idle exit: a run that
+        ended in a failure (checks 5 and 6) never told its agent it was done."""
+        released: set[str] = set()
+        for path in sorted(self.work.glob("config-*.yaml")):
+            cfg = load_config(str(path))
+            link = AgentLink(spec_for(cfg.run, cfg.checkpoint, cfg.fault_tolerance.hang_watch_s), start=False)
+            if link.spec.name in released:
+                continue
+            released.add(link.spec.name)
+            with contextlib.suppress(AgentGone):  # none listens: nothing to release
+                link.request({"op": "finish"})
+            link.close()
 
     def _baseline(self) -> dict[int, dict[str, Any]]:
         """1. the uninterrupted baseline."""
