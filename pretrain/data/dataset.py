@@ -39,6 +39,11 @@ def _split_of(
     checked_token_ids(prefix, vocab_size())
     for directory in cache_dirs(data.cache_dir, prefix):
         check_index_cache(directory)  # Megatron loads these with allow_pickle=True
+    if torch.distributed.is_initialized():
+        # Every rank checked before rank 0 writes a missing index in the builder below: a rank that
+        # checked while rank 0 was writing one (np.save is not atomic) read a truncated file and
+        # failed the job's first start on a fresh cache (seen in CI). Megatron barriers the same way.
+        torch.distributed.barrier()
     ds_config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
