@@ -142,25 +142,11 @@ def _last_progress(run_dir: Path, attempt_id: str) -> tuple[int | None, float | 
 
 
 def _injected_faults(run_dir: Path, attempt_id: str) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    out = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        if "fault_injected" in line and attempt_id in line:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("event") == "fault_injected" and row.get("attempt") == attempt_id:
-                out.append(row)
-    return out
+    return [row for row in _run_events(run_dir, "fault_injected") if row.get("attempt") == attempt_id]
 
 
-def _agent_events(run_dir: Path, name: str) -> list[dict[str, Any]]:
-    """The run's ``name`` events (written by the nodes' agents), in the order written."""
+def _run_events(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    """The run's ``name`` events (``events.jsonl``), in the order written; unreadable lines skipped."""
     try:
         lines = (run_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -183,7 +169,7 @@ def _watch_kills(run_dir: Path, pids: dict[int, int]) -> dict[int, float]:
     killed (``hang_killed`` events naming that process): rank -> the seconds it was silent."""
     return {
         int(row["rank"]): float(row.get("stale_s", 0.0))
-        for row in _agent_events(run_dir, "hang_killed")
+        for row in _run_events(run_dir, "hang_killed")
         if pids.get(row.get("rank", -1)) == row.get("pid")
     }
 
@@ -193,7 +179,7 @@ def _lost_node(
 ) -> dict[str, Any] | None:
     """The first node the node liveness found lost in ``attempt`` (``node_lost`` events), as the
     attempt's failure: the silent ranks it did not kill were the lost node's. None without one."""
-    lost = [e for e in _agent_events(run_dir, "node_lost") if e.get("attempt") == attempt]
+    lost = [e for e in _run_events(run_dir, "node_lost") if e.get("attempt") == attempt]
     if not lost:
         return None
     # In a partition each side finds the other lost: name a node whose finder was not itself
