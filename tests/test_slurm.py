@@ -143,7 +143,9 @@ class SlurmJob:
 def test_sbatch_requeue_resumes_from_the_newest_verified_step(
     tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
 ) -> None:
-    steps = 240
+    # Enough steps that the requeue lands while the first run trains (it is sent at step 25, and
+    # ends the run within a second or two), few enough that the resumed run is not most of the test.
+    steps = 100
     job = SlurmJob(tmp_path, corpus, slurm_cluster, {"train.steps": steps, "fault_tolerance.emergency_save_timeout": 8})
     job.submit()
     job.wait_for_step(25)
@@ -174,7 +176,7 @@ def test_sbatch_requeue_resumes_from_the_newest_verified_step(
 def test_usr1_warning_gives_the_emergency_save_more_than_killwait_then_requeues_and_resumes(
     tmp_path: Path, corpus: Path, slurm_cluster: dict[str, str]
 ) -> None:
-    steps, hold = 120, 3 * KILL_WAIT_S
+    steps, hold = 70, 3 * KILL_WAIT_S  # the warning is sent at step 20: the first run ends before 50
     job = SlurmJob(
         tmp_path,
         corpus,

@@ -3,7 +3,8 @@
 A training job is killed, recovers from its checkpoints and is compared, step for step, with the
 same job run without a fault; then damaged checkpoints and repeated failures are thrown at it:
 
-1. an uninterrupted baseline (fixed data snapshot, seed, world size);
+1. an uninterrupted baseline (fixed data snapshot, seed, world size) to step 150, the last step a
+   recovered run is compared with (its LR schedule is the whole drill's);
 2. the same run saving every 50 steps, rank 1 SIGKILLed at step 135; rank 0 of the restarted
    group SIGKILLed by the drill while it loads step 100 (a second fault during recovery) -> the
    third attempt recovers step 100 (data watermark as in the manifest) and matches the baseline's
@@ -46,6 +47,7 @@ from pretrain.resilience.phases import read_phases
 from pretrain.resilience.standby.beside import with_standby
 
 SAVE_EVERY, KILL_AT, TOTAL = 50, 135, 220
+COMPARED_TO = 150  # the first drill run ends here; later phases check restores, not losses
 TIER0_KILL_AT, TIER0_STEPS = 43, 60  # before tier 1's first save (step 50): only tier 0 holds a step
 
 
@@ -199,10 +201,13 @@ class Drill:
     def _baseline(self) -> dict[int, dict[str, Any]]:
         """1. the uninterrupted baseline."""
         rep = self.report
-        base_cfg = self._config("baseline", **{"train.steps": TOTAL})
+        # It saves only its last step (what a step computes does not depend on the saves): its
+        # losses are what the recovered runs are compared with, up to the last step any of them is.
+        settings = {"checkpoint.local.interval": COMPARED_TO, "checkpoint.reshardable.enabled": "false"}
+        base_cfg = self._config("baseline", **{"train.steps": COMPARED_TO, **settings})
         rc = self._torchrun(base_cfg, "1-baseline")
         base = {m["step"]: m for m in self._jsonl("baseline", "metrics.jsonl")}
-        rep.check("baseline", rc == 0 and max(base, default=0) == TOTAL, f"{len(base)} steps, exit {rc}")
+        rep.check("baseline", rc == 0 and max(base, default=0) == COMPARED_TO, f"{len(base)} steps, exit {rc}")
         return base
 
     def _kill_and_recover(self, base: dict[int, dict[str, Any]]) -> None:
@@ -212,7 +217,7 @@ class Drill:
         cfg2 = self._config(
             "drill",
             **{
-                "train.steps": 150,
+                "train.steps": COMPARED_TO,
                 "fault_tolerance.inject.kill_rank": 1,
                 "fault_tolerance.inject.kill_at_step": KILL_AT,
                 # the restarted group holds 2 s in "load": the drill's SIGKILL lands inside it
@@ -263,7 +268,7 @@ class Drill:
             f"manifest step 100 consumed_samples={manifest.get('consumed_samples')}; first step after the restore "
             f"{after[0]} with consumed_samples={after[1]}",
         )
-        window = range(101, 151)
+        window = range(101, COMPARED_TO + 1)
         diffs = [s for s in window if s not in drill or s not in base or _differs(drill[s], base[s])]
         rep.check(
             "matches-baseline",
