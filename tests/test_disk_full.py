@@ -123,11 +123,11 @@ def test_a_full_tier1_volume_prunes_and_moves_on_and_a_writer_bug_fails_the_atte
     ends the attempt as a user error, while the disk-full saves before it did not."""
     job = tmp_path / "full"
     with tmpfs(tmp_path / "nvme", 64) as vol:
-        extra = {"train.steps": 40, "checkpoint.local.interval": 10, "checkpoint.local.dir": str(vol)}
+        extra = {"train.steps": 20, "checkpoint.local.interval": 5, "checkpoint.local.dir": str(vol)}
         torchrun(job, 2, [*overrides_for(job, corpus), *[f"{k}={v}" for k, v in extra.items()]])
         rank0 = PosixTier(vol / "t" / "ranks", "rank-00000", run_id="t")
         newest = rank0.committed_steps()
-    assert newest[:1] == [40], newest
+    assert newest[:1] == [20], newest
     recorded = events(job / "runs" / "t")
     assert not [e for e in recorded if e.get("event") == "save_failed"]
     assert "dropped older steps" in (job / "job.log").read_text()
@@ -135,8 +135,9 @@ def test_a_full_tier1_volume_prunes_and_moves_on_and_a_writer_bug_fails_the_atte
     assert room and all(e["tier"] == "local" and e["reason"] == "disk_full" and e["dropped"] for e in room), room
 
     bug = tmp_path / "bug"
-    faults = {"fault_tolerance.inject.writer_fault": "bug", "fault_tolerance.inject.writer_fault_at_step": 20}
-    proc = torchrun(bug, 2, overrides_for(bug, corpus, **{"train.steps": 25}, **faults), check=False)
+    faults = {"fault_tolerance.inject.writer_fault": "bug", "fault_tolerance.inject.writer_fault_at_step": 10}
+    steps = {"train.steps": 15, "checkpoint.local.interval": 5}  # the faulty save is not the first
+    proc = torchrun(bug, 2, overrides_for(bug, corpus, **steps, **faults), check=False)
     assert proc.returncode != 0
     (path,) = (bug / "runs" / "t" / "attempts").glob("attempt-*.json")
     record = json.loads(path.read_text())

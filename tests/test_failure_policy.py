@@ -87,29 +87,29 @@ def test_nan_right_after_a_restore_quarantines_that_step_and_falls_back(tmp_path
         tmp_path,
         corpus,
         **{
-            "train.steps": 50,
+            "train.steps": 30,
             "fault_tolerance.inject.kill_rank": 1,
-            "fault_tolerance.inject.kill_at_step": 37,
-            "fault_tolerance.inject.poison_restored_step": 30,
+            "fault_tolerance.inject.kill_at_step": 27,
+            "fault_tolerance.inject.poison_restored_step": 20,
         },
     )
     ft_launch(tmp_path, 2, over, max_restarts=4)
     run_dir = tmp_path / "runs" / "t"
     ev = events(run_dir)
-    assert [(e["step"], e["tier"]) for e in ev if e["event"] == "restore"] == [(30, "local"), (20, "local")]
+    assert [(e["step"], e["tier"]) for e in ev if e["event"] == "restore"] == [(20, "local"), (10, "local")]
     poisoned = [e for e in ev if e["event"] == "poisoned_checkpoint"]
-    assert [(p["step"], p["at_step"]) for p in poisoned] == [(30, 31)]
+    assert [(p["step"], p["at_step"]) for p in poisoned] == [(20, 21)]
     for rank in (0, 1):
         q = tmp_path / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "quarantine"
         reasons = [p.read_text() for p in q.rglob("*") if p.is_file() and "reason" in p.name]
-        assert any("suspect checkpoint" in r and "step 31" in r for r in reasons), list(q.rglob("*"))
+        assert any("suspect checkpoint" in r and "step 21" in r for r in reasons), list(q.rglob("*"))
     records = _records(run_dir)
-    # Step 30 exists again, committed by the last attempt from the good step 20, and is no longer suspect.
+    # Step 20 exists again, committed by the last attempt from the good step 10, and is no longer suspect.
     for rank in (0, 1):
-        again = tmp_path / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "steps" / "step-000000030"
+        again = tmp_path / "ckpt" / "t" / "ranks" / f"rank-{rank:05d}" / "steps" / "step-000000020"
         assert records[-1]["id"] in (again / "manifest.json").read_text()
     assert json.loads((run_dir / "suspect-steps.json").read_text()) == []
     assert records[1]["failure"]["classification"] == "numerical"
-    assert records[-1]["status"] == "succeeded" and records[-1]["restored"]["step"] == 20
+    assert records[-1]["status"] == "succeeded" and records[-1]["restored"]["step"] == 10
     m = metrics_by_step(run_dir)
-    assert max(m) == 50 and all(m[s]["loss"] == m[s]["loss"] for s in range(1, 51)), "finite losses in the end"
+    assert max(m) == 30 and all(m[s]["loss"] == m[s]["loss"] for s in range(1, 31)), "finite losses in the end"

@@ -41,7 +41,7 @@ def test_committed_steps_that_no_rank_set_can_load_refuse_a_fresh_start(tmp_path
     fresh = [e["event"] for e in events(tmp_path / "runs" / "t")].count("fresh_start")
     assert fresh == 1, "only the first run started from step 0"
 
-    allowed = overrides_for(tmp_path, corpus, **{**common, "train.steps": 30, "checkpoint.allow_fresh_start": "true"})
+    allowed = overrides_for(tmp_path, corpus, **{**common, "train.steps": 20, "checkpoint.allow_fresh_start": "true"})
     torchrun(tmp_path, 2, allowed)
     assert [e["event"] for e in events(tmp_path / "runs" / "t")].count("fresh_start") == 2
 
