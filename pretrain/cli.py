@@ -45,8 +45,9 @@ def _train(args: argparse.Namespace) -> int:
 def _import_data_writer() -> None:
     """Megatron's indexed-dataset writer without the rest of Megatron's import cost: it imports
     Megatron Core whole, whose fused kernels would be decorated with torch.compile (~3 of the 8 s
-    of CPU a ``prepare-data`` of 1 MB took, every Slurm array task and init container paying it)."""
-    with imports_without_collecting():
+    of CPU a ``prepare-data`` of 1 MB took, every Slurm array task and init container paying it).
+    The collector is paused, not frozen after: ``main`` may run inside a longer-lived process."""
+    with imports_without_collecting(freeze=False):
         from pretrain.platform.lazy_compile import defer_torch_compile
 
         defer_torch_compile()

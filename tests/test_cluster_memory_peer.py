@@ -32,7 +32,9 @@ from tiering.memory.slots import SlotState
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
-STEPS = 18
+# Steps after the loss (at 13 or a little later, once node 0 holds a peer copy newer than tier
+# 1's) so that the job is still training when the node goes, on an idle machine too.
+STEPS = 28
 LOSS_AFTER = 13  # node 1 is lost once the job finished this step (tier 1's newest is 10)
 SLOTS = 3
 NODE_LOST_S = 2.0  # fault_tolerance.node_lost_s, the default

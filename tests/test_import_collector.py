@@ -57,3 +57,19 @@ def test_a_process_whose_collector_was_off_keeps_it_off(collections: list[int]) 
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_pause_without_the_freeze_leaves_the_processes_garbage_collectable(collections: list[int]) -> None:
+    """``freeze=False`` (a command's ``main`` that may run inside a longer-lived process): no
+    collection during the body, nothing frozen after it, and a cycle left behind is still freed."""
+    frozen_before = gc.get_freeze_count()
+    with imports_without_collecting(freeze=False):
+        made = [[i] for i in range(200_000)]
+        cycle: list[object] = []
+        cycle.append(cycle)
+        assert not gc.isenabled()
+        during = list(collections)  # (after the pause, the counts past every threshold collect at once)
+    assert during == [] and gc.isenabled()
+    assert gc.get_freeze_count() == frozen_before, "the pause froze the heap"
+    del made, cycle
+    assert gc.collect() >= 1, "the cycle made during the pause was not collectable"

@@ -177,10 +177,11 @@ def test_kills_during_an_emergency_save(tmp_path: Path, corpus: Path, baseline: 
         Fault(1, "training", [0, 1], sig=signal.SIGTERM, after_step=23),
         Fault(1, "emergency_save", [0, 1]),
     ]
-    over = overrides_for(job, corpus, **{**COMMON, "train.steps": 30}, **_holds(faults))
+    # All forty steps: the second SIGTERM (after step 23) must land well before the last step.
+    over = overrides_for(job, corpus, **{**COMMON, "train.steps": 40}, **_holds(faults))
     _launch_with_faults(job, over, faults, max_restarts=2)
     run_dir = job / "runs" / "t"
-    _assert_bit_exact(run_dir, baseline, 1, last=30)
+    _assert_bit_exact(run_dir, baseline, 1, last=40)
     restores = [e["step"] for e in events(run_dir) if e["event"] == "restore"]
     assert restores == [10, 20], restores
     records = _check_records(run_dir, faults, first_failure_rank=None)

@@ -27,14 +27,17 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def imports_without_collecting() -> Iterator[None]:
+def imports_without_collecting(freeze: bool = True) -> Iterator[None]:
     """Run the body (imports) with the cyclic collector off, then freeze what exists and restore
-    the collector's state. On an exception the collector's state is restored without the freeze."""
+    the collector's state. On an exception the collector's state is restored without the freeze.
+    ``freeze=False``: only the pause, for a caller that may run inside a long-lived process whose
+    own garbage must stay collectable (a command's ``main`` called in-process)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
-        gc.freeze()
+        if freeze:
+            gc.freeze()
     finally:
         if enabled:
             gc.enable()
