@@ -4,10 +4,12 @@ of a config."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 from pretrain.checkpointing.tiering_config import run_gc, run_upload
 from pretrain.commands.plan_command import add_plan_arguments
@@ -25,12 +27,7 @@ from tiering.errors import LeaseError, RunKeyError
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set or [])
-    with imports_without_collecting():  # a rank's start: a second less on 2 cores
-        from pretrain.platform.lazy_compile import defer_torch_compile
-
-        defer_torch_compile()  # before Megatron is imported: each rank start saves ~3 s of CPU
-        from pretrain.train import train
-
+    train = _import_megatron_side("pretrain.train", freeze=True).train  # a rank's heap lives long
     try:
         train(cfg)
     except BaseException as exc:
@@ -42,20 +39,23 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _import_data_writer() -> None:
-    """Megatron's indexed-dataset writer without the rest of Megatron's import cost: it imports
-    Megatron Core whole, whose fused kernels would be decorated with torch.compile (~3 of the 8 s
-    of CPU a ``prepare-data`` of 1 MB took, every Slurm array task and init container paying it).
-    The collector is paused, not frozen after: ``main`` may run inside a longer-lived process."""
-    with imports_without_collecting(freeze=False):
+def _import_megatron_side(module: str, freeze: bool) -> ModuleType:
+    """Import ``module``, which imports Megatron Core, with torch.compile deferred and the garbage
+    collector paused. Megatron decorates its fused kernels with torch.compile at import (Dynamo and
+    Inductor: ~3 s of CPU at every rank start, every ``prepare-data`` Slurm array task and init
+    container), and a collection during the imports finds nothing to free (~1 s on 2 cores).
+    ``freeze``: what was imported stays out of later collections (a rank); False where ``main``
+    may run inside a longer-lived process whose garbage must stay collectable (prepare-data in tests)."""
+    with imports_without_collecting(freeze=freeze):
+        # Deferred: lazy_compile imports torch, which the verbs that need no Megatron never import.
         from pretrain.platform.lazy_compile import defer_torch_compile
 
-        defer_torch_compile()
-        import pretrain.data.prepare  # noqa: F401
+        defer_torch_compile()  # before Megatron is imported (see pretrain/platform/lazy_compile.py)
+        return importlib.import_module(module)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    _import_data_writer()
+    _import_megatron_side("pretrain.data.prepare", freeze=False)  # Megatron's indexed-dataset writer
     from pretrain.data.inputs import parse_shard
     from pretrain.data.prepare import prepare_data
 
@@ -104,7 +104,7 @@ def _report_line(report: dict, verb: str) -> str:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    _import_data_writer()
+    _import_megatron_side("pretrain.data.prepare", freeze=False)  # Megatron's indexed-dataset writer
     from pretrain.data.prepare import merge_data
     from pretrain.errors import DataError
 
@@ -118,11 +118,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from pretrain.platform.lazy_compile import defer_torch_compile
-
-    defer_torch_compile()  # before Megatron is imported (see pretrain/platform/lazy_compile.py)
-    from pretrain.commands.evaluate import run_evaluate
-
+    run_evaluate = _import_megatron_side("pretrain.commands.evaluate", freeze=False).run_evaluate
     return run_evaluate(load_config(args.config, args.set or []), args.checkpoint, args.step)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel
 
-from pretrain.data.dataset import SampleCursor
+from pretrain.data.sampler import SampleCursor
 
 
 def capture_rng() -> dict[str, Any]:

@@ -24,7 +24,8 @@ from torch.utils.data import Dataset
 from pretrain.checkpointing.state import TrainingState
 from pretrain.checkpointing.tiered import TieredCheckpointer
 from pretrain.config import Config, ParallelConfig, data_parallel_size, padded_vocab_size, resolve_vocab_size
-from pretrain.data.dataset import GlobalBatchSampler, build_datasets, snapshot_id
+from pretrain.data.dataset import build_datasets, snapshot_id
+from pretrain.data.sampler import GlobalBatchSampler
 from pretrain.model import build_model, resolve_spec_name, transformer_config
 from pretrain.observability.runlog import RunLog
 from pretrain.optim import build_optimizer, build_scheduler, uses_distributed_optimizer

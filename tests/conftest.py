@@ -10,8 +10,9 @@ import pytest
 
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
 from pretrain.data.train_tokenizer import train_bpe_tokenizer
-from tests.helpers import overrides_for, torchrun
+from tests.helpers import REFERENCE_40, overrides_for, torchrun
 from tests.leftovers import session_env
+from tests.suite_cache import built_once
 
 pytest_plugins = ["tests.leftover_guard"]
 
@@ -24,20 +25,20 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prefix
 
 
-# The uninterrupted 2-rank run of the tiny config to step 40 (its cosine decay over those 40 steps)
-# that the 40-step fault tests compare their losses and grad norms with, step by step. Where and how
-# often a run checkpoints does not change what a step computes (those tests save at intervals of
-# 5, 10 and 20 and each compares with this run bit for bit), so one run per pytest worker serves them
-# all instead of one baseline job per test.
-REFERENCE_40 = {"train.steps": 40, "checkpoint.local.interval": 10, "checkpoint.reshardable.interval": 20}
-
-
+# The uninterrupted 2-rank run of the tiny config to step 40 (``REFERENCE_40``, tests/helpers.py; its
+# cosine decay over those 40 steps) that the 40-step fault tests compare their losses and grad norms
+# with, step by step. Where and how often a run checkpoints does not change what a step computes
+# (those tests save at intervals of 5, 10 and 20 and each compares with this run bit for bit), so one
+# run per test run serves them all instead of one baseline job per test (its corpus is another
+# worker's when that worker built it: the same bytes, from the same seed).
 @pytest.fixture(scope="session")
 def reference_40(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """The run directory of the shared 40-step reference run (``REFERENCE_40``), run on first use."""
-    base = tmp_path_factory.mktemp("reference-40")
-    torchrun(base, 2, overrides_for(base, corpus, **REFERENCE_40))
-    return base / "runs" / "t"
+
+    def run(base: Path) -> None:
+        torchrun(base, 2, overrides_for(base, corpus, **REFERENCE_40))
+
+    return built_once(tmp_path_factory, "reference-40", run) / "runs" / "t"
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 FT_CPU = REPO / "configs" / "ft-cpu.yaml"
+# The shared reference run (the ``reference_40`` fixture, tests/conftest.py): a test compared with it
+# step by step sets ``schedule.decay_steps`` to its length, whatever its own ``train.steps``.
+REFERENCE_STEPS = 40
+REFERENCE_40 = {"train.steps": REFERENCE_STEPS, "checkpoint.local.interval": 10, "checkpoint.reshardable.interval": 20}
 
 
 def job_env(tmp: Path, shared_standby: bool = True) -> dict[str, str]:

@@ -38,7 +38,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             KILLED_AFTER_TESTS.append((report.nodeid, left))
 
 
-# With pytest-xdist (`make test` runs two workers), tests that share a machine-wide service run on
+# With pytest-xdist (`make test` runs one worker more than the CPUs), tests that share a machine-wide service run on
 # one worker, one at a time, in a group per service: the Ceph RGW (one per worker would start a
 # second gateway beside the first), the Slurm cluster, and the network-namespace clusters
 # (multi-node jobs with timing assertions; their namespaces, links and subnets are named per
@@ -64,6 +64,11 @@ SERVICE_GROUPS = {
     "tests/test_shared_storage.py": "netns",
     "tests/test_straggler_exclusion.py": "netns",
 }
+# Modules whose tests share a module-scoped process that costs seconds of CPU to start (a standby
+# server imports torch, Megatron and NVRx): one work unit, so that one worker starts it, not each
+# worker that got one of its tests. Products of jobs shared across modules are built once per run
+# instead (tests/suite_cache.py).
+MODULE_UNITS = {"tests/test_standby.py"}
 _GROUP_FIXTURES = (("slurm", {"slurm_cluster"}), ("s3", {"s3_endpoint", "bucket", "remote_uri"}))
 
 
@@ -99,11 +104,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class ServiceGroupScheduling(LoadScopeScheduling):
-    """xdist's load scheduling, one test at a time, except that a service group's tests form one
-    work unit (one worker runs them in turn)."""
+    """xdist's load scheduling, one test at a time, except that a service group's tests, and those
+    of a module in ``MODULE_UNITS``, form one work unit (one worker runs them in turn)."""
 
     def _split_scope(self, nodeid: str) -> str:
-        return SERVICE_GROUPS.get(nodeid.split("::", 1)[0], nodeid)
+        module = nodeid.split("::", 1)[0]
+        return SERVICE_GROUPS.get(module, module if module in MODULE_UNITS else nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -55,13 +55,18 @@ def test_every_alert_has_a_test_where_it_fires() -> None:
 
 @pytest.mark.parametrize("alert", ALERTS)
 def test_each_firing_expectation_can_fail(alert: str, tmp_path: Path) -> None:
-    """Expecting silence where the data makes the alert fire fails: the test is not vacuous."""
+    """Expecting silence where the data makes the alert fire fails: the test is not vacuous. Only the
+    case holding that expectation is evaluated (the whole file passes in test_rule_unit_tests_pass):
+    promtool's cost is the evaluation of every case's series, ~1.5 s of CPU for the whole file."""
     tests = copy.deepcopy(TESTS)
-    check = next(
-        t for case in tests["tests"] for t in case["alert_rule_test"] if t["alertname"] == alert and t["exp_alerts"]
+    case, check = next(
+        (case, t)
+        for case in tests["tests"]
+        for t in case["alert_rule_test"]
+        if t["alertname"] == alert and t["exp_alerts"]
     )
     check["exp_alerts"] = []
-    out = _run_tests(tests, tmp_path)
+    out = _run_tests({**tests, "tests": [case]}, tmp_path)
     assert out.returncode != 0 and alert in out.stdout + out.stderr
 
 

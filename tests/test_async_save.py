@@ -20,6 +20,7 @@ from pretrain.checkpointing.async_writer import BackgroundWrite, SnapshotBuffers
 from pretrain.checkpointing.dp_slices import SPLIT_KEY
 from pretrain.commands.ft_command import ft_launcher_command
 from tests.helpers import FT_CPU, TINY, events, job_env, metrics_by_step, overrides_for, torchrun
+from tests.suite_cache import built_once
 from tiering.digest import hash_file
 from tiering.local.posix import PosixTier
 
@@ -88,12 +89,15 @@ def _steps(root: Path, rank: int) -> list[int]:
 IDENTICAL_STATE_RUN = {"train.steps": 20, "checkpoint.reshardable.interval": 10}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def synchronous_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    """The synchronous-save job both background modes are compared with (run once, not per mode)."""
-    job = tmp_path_factory.mktemp("sync")
-    torchrun(job, 2, overrides_for(job, corpus, **IDENTICAL_STATE_RUN, **{"checkpoint.async.enabled": "false"}))
-    return job
+    """The synchronous-save job both background modes are compared with (one for the test run, not
+    per mode or per worker)."""
+
+    def run(job: Path) -> None:
+        torchrun(job, 2, overrides_for(job, corpus, **IDENTICAL_STATE_RUN, **{"checkpoint.async.enabled": "false"}))
+
+    return built_once(tmp_path_factory, "async-synchronous-run", run)
 
 
 @pytest.mark.slow

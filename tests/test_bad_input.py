@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import copy_tree, events, flip_byte, metrics_by_step, overrides_for, torchrun
+from tests.suite_cache import built_once
 from tiering.collective import SingleProcess
 from tiering.errors import VerificationError
 from tiering.local.posix import PosixTier
@@ -30,21 +31,15 @@ RESHARDABLE_ONLY = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    """A real 2-rank run with committed reshardable steps 10, 20 and 30; returns that tier's root."""
-    job = tmp_path_factory.mktemp("trained")
-    torchrun(
-        job,
-        2,
-        overrides_for(
-            job,
-            corpus,
-            **RESHARDABLE_ONLY,
-            **{"train.steps": 30},
-        ),
-    )
-    return job / "reshard"
+    """A real 2-rank run with committed reshardable steps 10, 20 and 30 (one for the whole test run:
+    the tests copy it); returns that tier's root."""
+
+    def run(job: Path) -> None:
+        torchrun(job, 2, overrides_for(job, corpus, **RESHARDABLE_ONLY, **{"train.steps": 30}))
+
+    return built_once(tmp_path_factory, "bad-input-trained", run) / "reshard"
 
 
 @pytest.fixture

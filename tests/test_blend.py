@@ -12,8 +12,9 @@ from torch.utils.data import Dataset
 
 from pretrain.config import Config, load_config, resolve_vocab_size, validate
 from pretrain.data.blend import BlendedSamples
-from pretrain.data.dataset import GlobalBatchSampler, build_datasets
+from pretrain.data.dataset import build_datasets
 from pretrain.data.prepare import build_indexed_dataset, synthetic_documents
+from pretrain.data.sampler import GlobalBatchSampler
 from pretrain.errors import ConfigError, DataError
 from tests.helpers import TINY, blend_override
 

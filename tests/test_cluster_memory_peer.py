@@ -26,7 +26,7 @@ import pytest
 
 from tests.cluster.job import metric_rows, node_local_mount, start_node, wait_exit, wait_metric_step
 from tests.cluster.netns import Cluster, unavailable
-from tests.helpers import events, metrics_by_step, overrides_for
+from tests.helpers import REFERENCE_STEPS, events, metrics_by_step, overrides_for
 from tiering.memory.slot_store import SlotStore
 from tiering.memory.slots import SlotState
 
@@ -43,7 +43,7 @@ COMMON = {
     "checkpoint.local.interval": 10,
     "checkpoint.reshardable.interval": 10,
     "checkpoint.replication.timeout_s": 10,
-    "schedule.decay_steps": 40,  # the shared 40-step reference run's schedule: its steps are the baseline
+    "schedule.decay_steps": REFERENCE_STEPS,  # the shared 40-step reference run's schedule: its steps are the baseline
     "train.steps": STEPS,
 }
 

@@ -12,14 +12,14 @@ import pytest
 
 from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
-from tests.helpers import REPO, TINY, metrics_by_step, overrides_for, run
+from tests.helpers import REFERENCE_STEPS, REPO, TINY, metrics_by_step, overrides_for, run
 
 pytestmark = pytest.mark.slow
 
 # Thirty steps of the shared 40-step reference run (its LR schedule: decay over 40).
 COMMON = {
     "train.steps": 30,
-    "schedule.decay_steps": 40,
+    "schedule.decay_steps": REFERENCE_STEPS,
     "checkpoint.local.interval": 5,
     "checkpoint.reshardable.interval": 100,
 }

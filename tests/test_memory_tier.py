@@ -21,6 +21,7 @@ from pretrain.resilience.outside_faults import Fault, PhaseKiller
 from pretrain.resilience.phases import ranks_in_phase
 from tests.helpers import (
     FT_CPU,
+    REFERENCE_STEPS,
     TINY,
     events,
     flip_byte,
@@ -42,7 +43,7 @@ STEPS = 20
 # 40-step reference run's, whose first 20 steps are the baseline.
 COMMON = {
     "train.steps": STEPS,
-    "schedule.decay_steps": 40,
+    "schedule.decay_steps": REFERENCE_STEPS,
     "checkpoint.local.interval": 10,
     "checkpoint.reshardable.interval": 12,
 }

@@ -19,6 +19,7 @@ from pretrain.commands.ft_command import ft_launcher_command
 from pretrain.resilience.outside_faults import Fault, PhaseKiller
 from tests.helpers import (
     FT_CPU,
+    REFERENCE_STEPS,
     TINY,
     events,
     metrics_by_step,
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 STEPS = 20
 COMMON = {
     "train.steps": STEPS,
-    "schedule.decay_steps": 40,
+    "schedule.decay_steps": REFERENCE_STEPS,
     "checkpoint.local.interval": 10,
     "checkpoint.reshardable.interval": 20,
 }

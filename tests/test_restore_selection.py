@@ -26,7 +26,7 @@ from pretrain.checkpointing.per_rank_assembly import build_per_rank_checkpoints
 from pretrain.checkpointing.rank_payload import STATE_FILE
 from pretrain.checkpointing.state import TrainingState
 from pretrain.config import Config, load_config
-from pretrain.data.dataset import GlobalBatchSampler
+from pretrain.data.sampler import GlobalBatchSampler
 from pretrain.optim import CpuAdamW, build_scheduler
 from tiering.collective import SingleProcess
 from tiering.errors import PublishError

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pretrain.config import Config, DataConfig, TrainConfig, resolve_vocab_size
-from pretrain.data.dataset import GlobalBatchSampler
+from pretrain.data.sampler import GlobalBatchSampler
 from pretrain.data.tokenizer import tokenizer_identity
 from pretrain.errors import IncompatibleCheckpoint
 from pretrain.optim import TrainOptimizer

@@ -1,14 +1,13 @@
 """Megatron ``GPTDataset``s over prepared indexed datasets (one prefix or a weighted blend), their
-train/valid splits, and the resumable batch sampler."""
+train/valid splits and the dataset snapshot id (the order they are read in:
+:mod:`pretrain.data.sampler`)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -93,70 +92,3 @@ def snapshot_id(data: DataConfig) -> str:
         return dataset_snapshot_id(parts[0][0])
     joined = ";".join(f"{dataset_snapshot_id(p)}*{w}" for p, w in parts)
     return "blend:sha256:" + hashlib.sha256(joined.encode()).hexdigest()
-
-
-@dataclass
-class SampleCursor:
-    """Where this rank is in the data stream; a pure function of the global consumed count."""
-
-    consumed_samples: int
-    dp_rank: int
-    dp_size: int
-    global_batch_size: int
-
-
-class GlobalBatchSampler:
-    """Deterministic sample order keyed by the global consumed-samples count.
-
-    Global sample ``g`` is dataset index ``perm(g // N)[g % N]``, where each epoch's permutation
-    is seeded by ``(seed, epoch)``. Each global batch ``[c, c + GB)`` is split into contiguous DP
-    slices, so the set of samples per step does not depend on the DP size: resuming at another DP
-    size skips and repeats nothing.
-    """
-
-    def __init__(
-        self, num_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int
-    ) -> None:
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.seed = seed
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
-
-    @property
-    def per_rank(self) -> int:
-        return self.global_batch_size // self.dp_size
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.per_rank // self.micro_batch_size
-
-    def global_positions(self, consumed: int) -> range:
-        """Global sample positions this rank takes in the batch starting at ``consumed``."""
-        start = consumed + self.dp_rank * self.per_rank
-        return range(start, start + self.per_rank)
-
-    def dataset_index(self, position: int) -> int:
-        epoch, offset = divmod(position, self.num_samples)
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.num_samples)
-            self._perm_epoch = epoch
-        return int(self._perm[offset])
-
-    def microbatches(self, dataset: Dataset, consumed: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches for the global batch that starts at ``consumed``."""
-        positions = list(self.global_positions(consumed))
-        out = []
-        for i in range(0, len(positions), self.micro_batch_size):
-            samples = [dataset[self.dataset_index(p)] for p in positions[i : i + self.micro_batch_size]]
-            batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-            batch["positions"] = torch.tensor(positions[i : i + self.micro_batch_size], dtype=torch.int64)
-            out.append(batch)
-        return out
-
-    def cursor(self, consumed: int) -> SampleCursor:
-        return SampleCursor(consumed, self.dp_rank, self.dp_size, self.global_batch_size)
