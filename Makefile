@@ -34,9 +34,11 @@ lint: venv
 # (23 min with one worker, 13.5 with two and a standby process shared by each worker's jobs): with
 # two on this 2-core machine the CPUs were 78 % busy, and a third worker took the full suite from
 # 1,452-1,480 s to 1,283 s and test-fast from 252 s to 189 s (docs/testing.md). Tests that share a
-# machine-wide service run on one worker per service, in turn (tests/leftover_guard.py);
-# `TEST_WORKERS=1` runs everything in turn.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# machine-wide service run on one worker per service, in turn (tests/leftover_guard.py). At 4
+# CPUs and more (nproc counts the host's where a cgroup quota allows fewer) as many workers as
+# CPUs: each keeps a standby process, and the tests with timing assertions run beside them.
+# `TEST_WORKERS=N` overrides it; `TEST_WORKERS=1` runs everything in turn.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : n )))
 PYTEST := PYTHONWARNINGS=ignore $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30
 # pytest's wall time with the machine it ran on (CPU count, load average at the end), pytest's exit code kept.
 TIMED = start=$$(date +%s); $(PYTEST) $(1); rc=$$?; \

@@ -38,8 +38,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             KILLED_AFTER_TESTS.append((report.nodeid, left))
 
 
-# With pytest-xdist (`make test` runs one worker more than the CPUs), tests that share a machine-wide service run on
-# one worker, one at a time, in a group per service: the Ceph RGW (one per worker would start a
+# With pytest-xdist (`make test` runs several workers), tests that share a machine-wide service run
+# on one worker, one at a time, in a group per service: the Ceph RGW (one per worker would start a
 # second gateway beside the first), the Slurm cluster, and the network-namespace clusters
 # (multi-node jobs with timing assertions; their namespaces, links and subnets are named per
 # worker, so the S3 group's one cluster test may run beside them). Different groups run side by
@@ -93,6 +93,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # had finished: the last three minutes of a full run used the 2 cores at 30-75 %. Quick tests
     # last fill that tail instead. Stable: the collection order otherwise.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    missing = [m for m in sorted(MODULE_UNITS) if not (config.rootpath / m).is_file()]
+    if missing:
+        raise pytest.UsageError(f"MODULE_UNITS names {missing}, which are not test modules; fix: rename or remove them")
     for item in items:
         group = service_group(item)
         listed = SERVICE_GROUPS.get(item.nodeid.split("::", 1)[0])

@@ -5,8 +5,10 @@ A session fixture runs in every worker that needs it: with ``make test``'s worke
 :func:`built_once` builds into the directory all workers of one run share (the parent of each
 worker's base temporary directory; a run without xdist uses its own), under a lock: the first
 worker to ask builds, the others wait for it and read the same files. The product is marked done
-only once its build returned, so a build that failed (or a worker killed in the middle) leaves a
-directory the next asker empties and builds again, and no one reads a half-built product.
+only once its build returned, so no one reads a half-built product. A build that failed leaves
+its error beside the product, and every later asker fails at once with it (one failing build per
+run, not one per worker in turn behind the lock); a worker killed in the middle of a build leaves
+neither mark, and the next asker empties the directory and builds again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 DONE = ".built"
+FAILED = ".failed"
 
 
 class BaseTemp(Protocol):
@@ -37,11 +40,18 @@ def built_once(factory: BaseTemp, name: str, build: Callable[[Path], None]) -> P
     the others (a build of a tiny training job takes well under a minute)."""
     root = shared_root(factory)
     path = root / name
+    failed = root / f"{name}{FAILED}"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
+        if failed.exists():
+            raise RuntimeError(f"{name}: another worker's build of it failed in this run: {failed.read_text()}")
         if not (path / DONE).exists():
-            shutil.rmtree(path, ignore_errors=True)  # what a failed or killed build left
-            path.mkdir()
-            build(path)
+            shutil.rmtree(path, ignore_errors=True)  # what a killed build left
+            path.mkdir(exist_ok=True)  # a process of that build may still have been writing in it
+            try:
+                build(path)
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {str(exc)[-2000:]}")
+                raise
             (path / DONE).touch()
     return path

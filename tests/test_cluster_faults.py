@@ -151,6 +151,10 @@ def _run_faults(
     """Phases 1-2 and the loss that forces the scale-down; returns what was measured."""
     run_dir = work / "runs" / "t"
     over = _job_overrides(work, corpus, STEPS)
+    # The baseline's disk is the replacement's stale one, so it must have ended before the loss.
+    # Waited for here, not at the loss: the job trains on meanwhile, and under a loaded suite it had
+    # run past step 30 while the baseline still trained (the loss then found step 40, not 20).
+    assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]
     procs = {i: start_node(cluster, i, over, max_restarts=3) for i in range(3)}
     wait_metric_step(run_dir, PARTITION_AFTER, list(procs.values()))
     out: dict[str, Any] = {"last_before_cut": max(r["step"] for r in metric_rows(run_dir))}
@@ -160,7 +164,6 @@ def _run_faults(
     # be in flight at step 23. The loss comes once it is in tier 1 and replicated (its save event).
     _wait_saved(run_dir, "local", 20)
     out["last_before_loss"] = max(r["step"] for r in metric_rows(run_dir))
-    assert baseline.wait(timeout=300) == 0, (base / "job.log").read_text()[-3000:]  # its disk is the stale one
     out["fault"] = time.time()
     out["stale"] = _lose_node(cluster, base)
     procs[2] = start_node(cluster, 2, over, max_restarts=3)
@@ -214,8 +217,8 @@ def _check_training(run_dir: Path, base_dir: Path) -> float:
 
 
 def _start_baseline(base: Path, corpus: Path) -> subprocess.Popen[str]:
-    """The uninterrupted 3-rank run (torchrun, one namespace), in the background: it overlaps the
-    cluster job's waits (heartbeat timeouts, the partition)."""
+    """The uninterrupted 3-rank run (torchrun, one namespace), in the background while the
+    namespaces are set up; it ends before the cluster job starts (its disk is the stale one)."""
     over = overrides_for(base, corpus, **COMMON, **{"checkpoint.replication.allow_same_domain": "true"})
     keep = "checkpoint.local.keep=6"  # every tier-1 step stays: the stale disk of the replacement
     cmd = [*torchrun_prefix(3), "-m", "pretrain", "train", "--config", str(TINY)]

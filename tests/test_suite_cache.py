@@ -1,5 +1,6 @@
 """tests/suite_cache.py: a session fixture's product is built once per test run, by whichever xdist
-worker asks first, waited for by the others; a build that failed is built again, never read."""
+worker asks first, waited for by the others; a failed build is never read nor retried in the run, a
+killed one is built again."""
 
 from __future__ import annotations
 
@@ -46,22 +47,33 @@ def test_two_workers_racing_for_a_product_build_it_once_and_both_read_it(tmp_pat
     assert (tmp_path / "product" / "out.txt").read_text() == "built" and (tmp_path / "product" / DONE).exists()
 
 
-def test_a_failed_build_is_never_read_and_the_next_asker_builds_from_an_empty_directory(tmp_path: Path) -> None:
-    worker = Worker(tmp_path / "popen-gw0")
+def test_a_failed_build_is_never_read_and_later_askers_fail_at_once_with_its_error(tmp_path: Path) -> None:
+    worker, other = Worker(tmp_path / "popen-gw0"), Worker(tmp_path / "popen-gw1")
 
     def fails(path: Path) -> None:
         (path / "half.txt").write_text("half")
-        raise RuntimeError("the job failed")
+        raise RuntimeError("the job failed (1): rank 1 exited")
 
-    with pytest.raises(RuntimeError, match="the job failed"):
+    with pytest.raises(RuntimeError, match=r"the job failed \(1\)"):
         built_once(worker, "product", fails)
     assert not (tmp_path / "product" / DONE).exists()
 
+    def never(path: Path) -> None:
+        raise AssertionError("a product whose build failed in this run is not built again")
+
+    with pytest.raises(RuntimeError, match=r"product: another worker.s build of it failed in this run: RuntimeError"):
+        built_once(other, "product", never)
+
+
+def test_a_build_a_killed_worker_left_is_emptied_and_built_again(tmp_path: Path) -> None:
+    (tmp_path / "product").mkdir()
+    (tmp_path / "product" / "half.txt").write_text("half")  # no DONE, no FAILED: its worker died
+
     def build(path: Path) -> None:
-        assert list(path.iterdir()) == []  # nothing of the failed build is left to be mistaken for output
+        assert list(path.iterdir()) == []  # nothing of the killed build is left to be mistaken for output
         (path / "out.txt").write_text("built")
 
-    assert built_once(worker, "product", build) == tmp_path / "product"
+    assert built_once(Worker(tmp_path / "popen-gw0"), "product", build) == tmp_path / "product"
     assert sorted(p.name for p in (tmp_path / "product").iterdir()) == [DONE, "out.txt"]
 
 

@@ -8,8 +8,9 @@ kernels never run (the CPU spec does not use them). torch.compile itself compile
 first call, so deferring the decoration to that call changes nothing else: the same function is
 compiled with the same arguments the first time it runs.
 
-Owns :func:`defer_torch_compile`, which the rank program's entry points (``pretrain train``,
-``pretrain evaluate``) call before they import anything from Megatron. Never compiles anything
+Owns :func:`defer_torch_compile`, which the verbs that import Megatron (``pretrain train``,
+``evaluate``, ``prepare-data``, ``merge-data``: ``pretrain/cli.py``) call before they import anything
+from it. Never compiles anything
 itself and never changes a compile's arguments.
 """
 
