@@ -2,8 +2,9 @@
 pure function of the seed and the global consumed-samples count (so a resume at any step, or at
 another data-parallel size, skips and repeats nothing), and the cursor a rank saves.
 
-Never: opens a dataset file or imports Megatron (the checkpoint state keeps a sampler; the tier-1
-agent and the tools that read checkpoints import that state without the dataset builder).
+Never: opens a dataset file or imports Megatron. The checkpoint state keeps a sampler and no longer
+imports Megatron's dataset builder for it (it still imports Megatron through the tokenizer and the
+optimizer).
 """
 
 from __future__ import annotations
